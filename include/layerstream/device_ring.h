@@ -1,0 +1,100 @@
+// DeviceRing: one preallocated slab of device memory, handed out as variable-size regions in ring order.
+//
+// A region holds the packed weights of one layer while they are on the device. Regions are placed at
+// the ring's head, which moves forward and wraps; placing a region evicts the regions it overlaps. No
+// allocation goes through a caching allocator after construction.
+//
+// Ownership and lifetime of a region:
+//   placed   -> the caller copies into it on its copy stream and records `ready` after the copy;
+//   held     -> hold count > 0: readers are using it; it is never evicted while held;
+//   released -> each release(region, consumer stream) records a "released" event on that stream after
+//               the reader's work; the region stays cached (a later fetch of the same layer may hold it
+//               again without copying) until the head comes round;
+//   evicted  -> place() returns the released events of every region it overwrote. The caller MUST make
+//               its copy stream wait on all of them before writing: that is the rule that a region is
+//               never rewritten before its last reader is done. The wait happens on the device (no host
+//               blocking), so eviction costs nothing on the host.
+//
+// Streams: the ring records and hands out events but never enqueues copies itself.
+// Thread-safety: none; the owner (TransferEngine) serializes calls.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "layerstream/backend.h"
+#include "layerstream/event_pool.h"
+
+namespace layerstream {
+
+using RegionId = std::uint64_t;
+
+struct RegionInfo {
+  RegionId id = 0;
+  void* data = nullptr;
+  std::size_t offset = 0;
+  std::size_t bytes = 0;
+  std::uint64_t owner = 0;  // the tag given at place(), e.g. a layer id
+  int holds = 0;
+};
+
+// What a place() displaced: the caller waits on `wait_events` on its copy stream and forgets `owners`.
+struct Eviction {
+  std::vector<Event> wait_events;
+  std::vector<std::uint64_t> owners;
+};
+
+class DeviceRing {
+ public:
+  DeviceRing(Backend& backend, std::size_t capacity_bytes, std::size_t alignment = 256);
+  DeviceRing(const DeviceRing&) = delete;
+  DeviceRing& operator=(const DeviceRing&) = delete;
+
+  // Places a region of `bytes` for `owner`, held once. Evicted regions are reported in `eviction`.
+  // Throws InvalidArgument when `bytes` exceeds the capacity, Error when held regions leave no room.
+  RegionId place(std::size_t bytes, std::uint64_t owner, Eviction& eviction);
+  // Adds a hold to a live region (a reader reusing cached bytes).
+  void hold(RegionId region);
+  // Drops one hold; `consumer` is the stream whose work read the region. Throws InvalidArgument when
+  // the region is not live or not held (a release without a matching fetch).
+  void release(RegionId region, StreamHandle consumer);
+  // Drops a region that is not held, handing back its events as an eviction would (for a layer whose
+  // host bytes changed). Throws InvalidArgument when the region is held.
+  void discard(RegionId region, Eviction& eviction);
+
+  bool live(RegionId region) const { return regions_.count(region) != 0; }
+  RegionInfo info(RegionId region) const;
+  std::size_t capacity() const { return capacity_; }
+  std::size_t bytes_live() const;
+  std::size_t regions_live() const { return regions_.size(); }
+  // Events created so far (they are pooled and reused; tests check the pool stays bounded).
+  std::size_t events_created() const { return events_.created(); }
+  // Takes back the events of an Eviction once the caller has enqueued its waits on them.
+  void recycle(std::vector<Event>& events) { events_.give(events); }
+
+ private:
+  struct Region {
+    std::size_t offset;
+    std::size_t bytes;
+    std::uint64_t owner;
+    int holds;
+    // The last release recorded on each consumer stream; a later release on the same stream re-records
+    // that stream's event (stream order makes the older capture redundant), so this stays small.
+    std::vector<std::pair<StreamHandle, Event>> released;
+  };
+
+  void evict(std::map<RegionId, Region>::iterator it, Eviction& eviction);
+
+  std::size_t capacity_;
+  std::size_t alignment_;
+  DeviceBuffer memory_;
+  std::size_t head_ = 0;
+  RegionId next_id_ = 1;
+  std::map<RegionId, Region> regions_;
+  EventPool events_;
+};
+
+}  // namespace layerstream

@@ -1,0 +1,44 @@
+// EventPool: reusable events, so that the hot path never creates or destroys one.
+//
+// An event may go back to the pool as soon as every wait on it has been *enqueued* (a stream wait keeps
+// the capture it saw when it was enqueued), or once the host has observed it complete.
+// Ownership: events taken from the pool belong to the taker until given back; the pool owns the rest.
+// Thread-safety: none; owners serialize access.
+#pragma once
+
+#include <cstddef>
+#include <utility>
+#include <vector>
+
+#include "layerstream/backend.h"
+
+namespace layerstream {
+
+class EventPool {
+ public:
+  explicit EventPool(Backend& backend) : backend_(backend) {}
+
+  Event take() {
+    if (spare_.empty()) {
+      ++created_;
+      return Event(backend_);
+    }
+    Event e = std::move(spare_.back());
+    spare_.pop_back();
+    return e;
+  }
+  void give(Event&& event) { spare_.push_back(std::move(event)); }
+  void give(std::vector<Event>& events) {
+    for (Event& e : events) spare_.push_back(std::move(e));
+    events.clear();
+  }
+  // Events ever created by this pool (tests check it stays bounded).
+  std::size_t created() const { return created_; }
+
+ private:
+  Backend& backend_;
+  std::vector<Event> spare_;
+  std::size_t created_ = 0;
+};
+
+}  // namespace layerstream

@@ -1,0 +1,149 @@
+// TransferEngine: moves layers from the pinned arena to the device ring, and gradients back.
+//
+// One engine drives one device. It owns, for that device:
+//   * the H2D stream: every write into the ring happens on it, one copy per layer (a layer's tensors are
+//     packed together in one arena block by the caller);
+//   * the D2H stream: every device-to-host download (gradients) happens on it;
+//   * the PinnedArena holding the layers' host bytes, and the DeviceRing.
+//
+// The per-call protocol for a reader on stream S (e.g. the compute stream):
+//     Lease l = engine.fetch(layer);      // copy enqueued on H2D (or bytes still in the ring reused)
+//     engine.wait_ready(l, S);            // S waits (on the device) for the copy
+//     ... enqueue work on S that reads engine.device_data(l) ...
+//     engine.release(l, S);               // records "released" on S after that work
+// After release, the lease is dead: device_data() and a second release() throw InvalidArgument. The
+// bytes may stay in the ring, and a later fetch of the same layer reuses them without a copy, until the
+// ring's head comes round; the overwriting copy waits on every released event first.
+//
+// Host bytes: the caller fills host_block(layer) after add_layer(). Before changing them again it calls
+// begin_host_write(layer), which waits for copies still reading them and drops the stale device copy.
+// Pageable host blocks (when pinning was refused) are staged through pinned bounce buffers.
+//
+// Downloads: download() enqueues a D2H copy ordered after the producer stream's work so far and returns
+// a ticket; the device source and host destination must stay alive and untouched until wait_download()
+// or sync_downloads() has returned.
+//
+// No call synchronizes the device; the host blocks only in begin_host_write, remove_layer, the bounce
+// path, wait_download and sync_downloads, each on a specific event.
+// Thread-safety: every method may be called from any thread (one internal mutex).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "layerstream/backend.h"
+#include "layerstream/device_ring.h"
+#include "layerstream/event_pool.h"
+#include "layerstream/pinned_arena.h"
+
+namespace layerstream {
+
+using LayerId = std::uint64_t;
+
+struct EngineOptions {
+  // Bytes of device memory for the ring; must hold the largest layer (and, for overlap, several).
+  std::size_t ring_bytes = std::size_t{256} << 20;
+  ArenaOptions arena;
+  // Pinned staging for pageable layers: this many buffers of this size, used round-robin.
+  std::size_t bounce_bytes = std::size_t{16} << 20;
+  int bounce_buffers = 2;
+};
+
+struct Lease {
+  LayerId layer = 0;
+  std::uint64_t ticket = 0;  // 0: no lease
+  void* data = nullptr;      // device address of the packed layer; valid until release()
+  std::size_t bytes = 0;
+  EventHandle ready;         // the copy's completion; wait_ready() waits on it
+  bool copied = false;       // false when served from bytes already in the ring
+};
+
+struct EngineStats {
+  std::uint64_t fetches = 0;
+  std::uint64_t copies_h2d = 0;
+  std::uint64_t bytes_h2d = 0;
+  std::uint64_t reuse_hits = 0;
+  std::uint64_t evictions = 0;
+  std::uint64_t bounce_chunks = 0;  // pieces staged through bounce buffers (pageable layers)
+  std::uint64_t downloads = 0;
+  std::uint64_t bytes_d2h = 0;
+  std::size_t layers = 0;
+  std::size_t leases_outstanding = 0;
+  std::size_t downloads_pending = 0;
+  std::size_t ring_capacity = 0;
+  std::size_t ring_bytes_live = 0;
+  ArenaStats arena;
+};
+
+class TransferEngine {
+ public:
+  TransferEngine(Backend& backend, EngineOptions options = {});
+  // Waits for the engine's own streams, then frees everything it owns.
+  ~TransferEngine();
+  TransferEngine(const TransferEngine&) = delete;
+  TransferEngine& operator=(const TransferEngine&) = delete;
+
+  // Registers a layer of `bytes` packed bytes; its host block is allocated from the arena.
+  LayerId add_layer(std::size_t bytes);
+  // Forgets a layer: waits for copies reading its host bytes, drops its ring region, frees its block.
+  // Throws InvalidArgument while a lease on it is outstanding.
+  void remove_layer(LayerId layer);
+  HostBlock host_block(LayerId layer) const;
+  void begin_host_write(LayerId layer);
+  bool on_device(LayerId layer) const;
+
+  Lease fetch(LayerId layer);
+  void wait_ready(const Lease& lease, StreamHandle consumer);
+  void* device_data(const Lease& lease) const;
+  void release(const Lease& lease, StreamHandle consumer);
+
+  std::uint64_t download(void* host_dst, const void* device_src, std::size_t bytes,
+                         StreamHandle producer);
+  void wait_download(std::uint64_t ticket);
+  void sync_downloads();
+
+  EngineStats stats() const;
+  Backend& backend() const { return backend_; }
+  StreamHandle h2d_stream() const { return h2d_.get(); }
+  StreamHandle d2h_stream() const { return d2h_.get(); }
+
+ private:
+  struct Layer {
+    HostBlock block;
+    Event copied;        // recorded on H2D after each copy of this layer
+    RegionId region = 0; // 0: not in the ring
+    int leases = 0;
+  };
+  struct Outstanding {
+    LayerId layer;
+    RegionId region;
+  };
+
+  Layer& layer_locked(LayerId layer);
+  const Layer& layer_locked(LayerId layer) const;
+  void copy_in_locked(const Layer& layer, void* device_dst);
+  void discard_region_locked(Layer& layer);
+
+  Backend& backend_;
+  EngineOptions options_;
+  Stream h2d_;
+  Stream d2h_;
+  PinnedArena arena_;
+  DeviceRing ring_;
+  EventPool events_;
+  std::vector<PinnedBuffer> bounce_;
+  std::vector<Event> bounce_done_;
+  std::size_t next_bounce_ = 0;
+  mutable std::mutex mu_;
+  LayerId next_layer_ = 1;
+  std::unordered_map<LayerId, Layer> layers_;
+  std::uint64_t next_ticket_ = 1;
+  std::unordered_map<std::uint64_t, Outstanding> leases_;
+  std::unordered_map<std::uint64_t, Event> downloads_;
+  EngineStats stats_;
+};
+
+}  // namespace layerstream

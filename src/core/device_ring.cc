@@ -1,0 +1,128 @@
+#include "layerstream/device_ring.h"
+
+#include <algorithm>
+
+#include "layerstream/check.h"
+
+namespace layerstream {
+
+namespace {
+std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+bool overlaps(std::size_t a, std::size_t a_len, std::size_t b, std::size_t b_len) {
+  return a < b + b_len && b < a + a_len;
+}
+}  // namespace
+
+DeviceRing::DeviceRing(Backend& backend, std::size_t capacity_bytes, std::size_t alignment)
+    : capacity_(capacity_bytes / alignment * alignment),
+      alignment_(alignment),
+      events_(backend) {
+  LS_CHECK_ARG(alignment >= 1 && (alignment & (alignment - 1)) == 0,
+               "DeviceRing: alignment must be a power of two, got ", alignment);
+  LS_CHECK_ARG(capacity_ > 0, "DeviceRing: capacity must be at least one alignment unit (",
+               alignment, " bytes), got ", capacity_bytes);
+  memory_ = DeviceBuffer(backend, capacity_);
+}
+
+void DeviceRing::evict(std::map<RegionId, Region>::iterator it, Eviction& eviction) {
+  for (auto& [stream, e] : it->second.released) eviction.wait_events.push_back(std::move(e));
+  eviction.owners.push_back(it->second.owner);
+  regions_.erase(it);
+}
+
+RegionId DeviceRing::place(std::size_t bytes, std::uint64_t owner, Eviction& eviction) {
+  LS_CHECK_ARG(bytes > 0, "DeviceRing::place: size must be positive");
+  const std::size_t rounded = round_up(bytes, alignment_);
+  LS_CHECK_ARG(rounded <= capacity_, "a layer of ", bytes, " bytes does not fit the device ring of ",
+               capacity_, " bytes; raise the ring size to at least the largest layer");
+
+  std::size_t pos = head_ + rounded <= capacity_ ? head_ : 0;
+  std::size_t scanned = 0;
+  for (;;) {
+    // The held region overlapping the candidate range that ends last: skip past it.
+    std::size_t skip_to = 0;
+    bool blocked = false;
+    for (const auto& [id, r] : regions_) {
+      if (r.holds > 0 && overlaps(pos, rounded, r.offset, r.bytes)) {
+        skip_to = std::max(skip_to, r.offset + r.bytes);
+        blocked = true;
+      }
+    }
+    if (!blocked) break;
+    scanned += skip_to - pos;
+    pos = skip_to;
+    if (pos + rounded > capacity_) {
+      scanned += capacity_ - pos;
+      pos = 0;
+    }
+    if (scanned > capacity_ + rounded) {
+      std::size_t held_bytes = 0, held_regions = 0;
+      for (const auto& [id, r] : regions_) {
+        if (r.holds > 0) held_bytes += r.bytes, ++held_regions;
+      }
+      LS_FAIL("the device ring (", capacity_, " bytes) has no room for ", bytes, " bytes: ",
+              held_regions, " regions (", held_bytes,
+              " bytes) are still held by fetches that were not released; release layers after use "
+              "or enlarge the ring");
+    }
+  }
+
+  for (auto it = regions_.begin(); it != regions_.end();) {
+    auto next = std::next(it);
+    if (overlaps(pos, rounded, it->second.offset, it->second.bytes)) evict(it, eviction);
+    it = next;
+  }
+
+  const RegionId id = next_id_++;
+  regions_.emplace(id, Region{pos, rounded, owner, 1, {}});
+  head_ = pos + rounded == capacity_ ? 0 : pos + rounded;
+  return id;
+}
+
+void DeviceRing::hold(RegionId region) {
+  auto it = regions_.find(region);
+  LS_CHECK_ARG(it != regions_.end(), "DeviceRing::hold: region ", region, " is not live");
+  ++it->second.holds;
+}
+
+void DeviceRing::release(RegionId region, StreamHandle consumer) {
+  auto it = regions_.find(region);
+  LS_CHECK_ARG(it != regions_.end(), "DeviceRing::release: region ", region,
+               " is not live (released after it was evicted?)");
+  LS_CHECK_ARG(it->second.holds > 0, "DeviceRing::release: region ", region,
+               " is not held (released more often than fetched)");
+  LS_CHECK_ARG(consumer, "DeviceRing::release: null consumer stream");
+  auto& released = it->second.released;
+  auto same = std::find_if(released.begin(), released.end(),
+                           [&](const auto& entry) { return entry.first == consumer; });
+  if (same == released.end()) {
+    released.emplace_back(consumer, events_.take());
+    same = std::prev(released.end());
+  }
+  same->second.record(consumer);
+  --it->second.holds;
+}
+
+void DeviceRing::discard(RegionId region, Eviction& eviction) {
+  auto it = regions_.find(region);
+  LS_CHECK_ARG(it != regions_.end(), "DeviceRing::discard: region ", region, " is not live");
+  LS_CHECK_ARG(it->second.holds == 0, "DeviceRing::discard: region ", region, " is held ",
+               it->second.holds, " time(s); release it first");
+  evict(it, eviction);
+}
+
+RegionInfo DeviceRing::info(RegionId region) const {
+  auto it = regions_.find(region);
+  LS_CHECK_ARG(it != regions_.end(), "DeviceRing::info: region ", region, " is not live");
+  const Region& r = it->second;
+  return RegionInfo{region, static_cast<char*>(memory_.data()) + r.offset, r.offset, r.bytes, r.owner,
+                    r.holds};
+}
+
+std::size_t DeviceRing::bytes_live() const {
+  std::size_t total = 0;
+  for (const auto& [id, r] : regions_) total += r.bytes;
+  return total;
+}
+
+}  // namespace layerstream

@@ -1,0 +1,250 @@
+#include "layerstream/transfer_engine.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "layerstream/check.h"
+
+namespace layerstream {
+
+TransferEngine::TransferEngine(Backend& backend, EngineOptions options)
+    : backend_(backend),
+      options_(options),
+      h2d_(backend),
+      d2h_(backend),
+      arena_(backend, options.arena),
+      ring_(backend, options.ring_bytes, options.arena.alignment),
+      events_(backend) {
+  LS_CHECK_ARG(options_.bounce_buffers >= 1 && options_.bounce_bytes >= 4096,
+               "TransferEngine: need at least one bounce buffer of at least 4096 bytes");
+}
+
+TransferEngine::~TransferEngine() {
+  // Nothing may still read the arena or write the ring when they are freed.
+  try {
+    backend_.stream_synchronize(h2d_.get());
+    backend_.stream_synchronize(d2h_.get());
+  } catch (...) {
+    // A failing device at teardown: the frees below synchronize implicitly on CUDA anyway.
+  }
+}
+
+TransferEngine::Layer& TransferEngine::layer_locked(LayerId layer) {
+  auto it = layers_.find(layer);
+  LS_CHECK_ARG(it != layers_.end(), "unknown layer id ", layer, " (never added, or removed)");
+  return it->second;
+}
+
+const TransferEngine::Layer& TransferEngine::layer_locked(LayerId layer) const {
+  auto it = layers_.find(layer);
+  LS_CHECK_ARG(it != layers_.end(), "unknown layer id ", layer, " (never added, or removed)");
+  return it->second;
+}
+
+LayerId TransferEngine::add_layer(std::size_t bytes) {
+  LS_CHECK_ARG(bytes > 0, "add_layer: a layer must have at least one byte");
+  LS_CHECK_ARG(bytes <= ring_.capacity(), "a layer of ", bytes,
+               " bytes does not fit the device ring of ", ring_.capacity(),
+               " bytes; raise ring_bytes to at least the largest layer");
+  HostBlock block = arena_.allocate(bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  const LayerId id = next_layer_++;
+  Layer& layer = layers_[id];
+  layer.block = block;
+  layer.copied = events_.take();
+  return id;
+}
+
+void TransferEngine::discard_region_locked(Layer& layer) {
+  if (layer.region == 0) return;
+  if (ring_.live(layer.region)) {
+    Eviction eviction;
+    ring_.discard(layer.region, eviction);
+    // Every later ring write is on H2D: waiting here orders them all after the region's last readers.
+    for (Event& e : eviction.wait_events) backend_.stream_wait_event(h2d_.get(), e.get());
+    ring_.recycle(eviction.wait_events);
+  }
+  layer.region = 0;
+}
+
+void TransferEngine::remove_layer(LayerId id) {
+  void* data = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Layer& layer = layer_locked(id);
+    LS_CHECK_ARG(layer.leases == 0, "remove_layer: layer ", id, " still has ", layer.leases,
+                 " outstanding lease(s); release them first");
+    discard_region_locked(layer);
+    layer.copied.synchronize();  // the last copy from its host bytes is done
+    backend_.annotate_host_access(layer.block.data, layer.block.bytes, true);
+    data = layer.block.data;
+    events_.give(std::move(layer.copied));
+    layers_.erase(id);
+  }
+  arena_.free(data);
+}
+
+HostBlock TransferEngine::host_block(LayerId layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return layer_locked(layer).block;
+}
+
+void TransferEngine::begin_host_write(LayerId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Layer& layer = layer_locked(id);
+  LS_CHECK_ARG(layer.leases == 0, "begin_host_write: layer ", id, " still has ", layer.leases,
+               " outstanding lease(s); its device copy is in use");
+  discard_region_locked(layer);
+  layer.copied.synchronize();
+  backend_.annotate_host_access(layer.block.data, layer.block.bytes, true);
+}
+
+bool TransferEngine::on_device(LayerId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Layer& layer = layer_locked(id);
+  return layer.region != 0 && ring_.live(layer.region);
+}
+
+void TransferEngine::copy_in_locked(const Layer& layer, void* device_dst) {
+  if (layer.block.pinned) {
+    backend_.memcpy_h2d_async(device_dst, layer.block.data, layer.block.bytes, h2d_.get());
+    return;
+  }
+  // Pageable source: an async copy from it would be staged synchronously by the driver (and is not
+  // async at all on some platforms). Stage through our pinned buffers instead, round-robin, waiting only
+  // for the previous copy out of the buffer being refilled.
+  if (bounce_.empty()) {
+    for (int i = 0; i < options_.bounce_buffers; ++i) {
+      bounce_.emplace_back(backend_, options_.bounce_bytes, options_.arena.pin_method);
+      bounce_done_.push_back(events_.take());
+    }
+  }
+  const char* src = static_cast<const char*>(layer.block.data);
+  char* dst = static_cast<char*>(device_dst);
+  for (std::size_t done = 0; done < layer.block.bytes;) {
+    const std::size_t piece = std::min(options_.bounce_bytes, layer.block.bytes - done);
+    PinnedBuffer& buffer = bounce_[next_bounce_];
+    Event& free_again = bounce_done_[next_bounce_];
+    next_bounce_ = (next_bounce_ + 1) % bounce_.size();
+    free_again.synchronize();
+    backend_.annotate_host_access(buffer.data(), piece, true);
+    std::memcpy(buffer.data(), src + done, piece);
+    backend_.memcpy_h2d_async(dst + done, buffer.data(), piece, h2d_.get());
+    free_again.record(h2d_.get());
+    ++stats_.bounce_chunks;
+    done += piece;
+  }
+}
+
+Lease TransferEngine::fetch(LayerId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Layer& layer = layer_locked(id);
+  ++stats_.fetches;
+  Lease lease;
+  lease.layer = id;
+  lease.bytes = layer.block.bytes;
+  lease.ready = layer.copied.get();
+
+  if (layer.region != 0 && ring_.live(layer.region)) {
+    ring_.hold(layer.region);
+    ++stats_.reuse_hits;
+  } else {
+    Eviction eviction;
+    layer.region = ring_.place(layer.block.bytes, id, eviction);
+    for (LayerId owner : eviction.owners) {
+      auto it = layers_.find(owner);
+      if (it != layers_.end()) it->second.region = 0;
+    }
+    stats_.evictions += eviction.owners.size();
+    for (Event& e : eviction.wait_events) backend_.stream_wait_event(h2d_.get(), e.get());
+    ring_.recycle(eviction.wait_events);
+    copy_in_locked(layer, ring_.info(layer.region).data);
+    layer.copied.record(h2d_.get());
+    lease.copied = true;
+    ++stats_.copies_h2d;
+    stats_.bytes_h2d += layer.block.bytes;
+  }
+  lease.data = ring_.info(layer.region).data;
+  lease.ticket = next_ticket_++;
+  leases_.emplace(lease.ticket, Outstanding{id, layer.region});
+  ++layer.leases;
+  return lease;
+}
+
+void TransferEngine::wait_ready(const Lease& lease, StreamHandle consumer) {
+  LS_CHECK_ARG(consumer, "wait_ready: null consumer stream");
+  std::lock_guard<std::mutex> lock(mu_);
+  LS_CHECK_ARG(leases_.count(lease.ticket) != 0, "wait_ready: lease ", lease.ticket, " of layer ",
+               lease.layer, " is not outstanding (already released, or never fetched)");
+  backend_.stream_wait_event(consumer, lease.ready);
+}
+
+void* TransferEngine::device_data(const Lease& lease) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = leases_.find(lease.ticket);
+  LS_CHECK_ARG(it != leases_.end(), "use after release: lease ", lease.ticket, " of layer ",
+               lease.layer, " was already released; fetch the layer again");
+  return ring_.info(it->second.region).data;
+}
+
+void TransferEngine::release(const Lease& lease, StreamHandle consumer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = leases_.find(lease.ticket);
+  LS_CHECK_ARG(it != leases_.end(), "release: lease ", lease.ticket, " of layer ", lease.layer,
+               " was already released (or never fetched)");
+  ring_.release(it->second.region, consumer);
+  auto layer = layers_.find(it->second.layer);
+  if (layer != layers_.end()) --layer->second.leases;
+  leases_.erase(it);
+}
+
+std::uint64_t TransferEngine::download(void* host_dst, const void* device_src, std::size_t bytes,
+                                       StreamHandle producer) {
+  LS_CHECK_ARG(bytes > 0, "download: size must be positive");
+  LS_CHECK_ARG(producer, "download: null producer stream");
+  std::lock_guard<std::mutex> lock(mu_);
+  Event produced = events_.take();
+  produced.record(producer);
+  backend_.stream_wait_event(d2h_.get(), produced.get());
+  events_.give(std::move(produced));  // the wait is enqueued; the event may be reused
+  backend_.memcpy_d2h_async(host_dst, device_src, bytes, d2h_.get());
+  Event done = events_.take();
+  done.record(d2h_.get());
+  const std::uint64_t ticket = next_ticket_++;
+  downloads_.emplace(ticket, std::move(done));
+  ++stats_.downloads;
+  stats_.bytes_d2h += bytes;
+  return ticket;
+}
+
+void TransferEngine::wait_download(std::uint64_t ticket) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = downloads_.find(ticket);
+  LS_CHECK_ARG(it != downloads_.end(), "wait_download: no pending download ", ticket);
+  it->second.synchronize();
+  events_.give(std::move(it->second));
+  downloads_.erase(it);
+}
+
+void TransferEngine::sync_downloads() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [ticket, done] : downloads_) {
+    done.synchronize();
+    events_.give(std::move(done));
+  }
+  downloads_.clear();
+}
+
+EngineStats TransferEngine::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  EngineStats s = stats_;
+  s.layers = layers_.size();
+  s.leases_outstanding = leases_.size();
+  s.downloads_pending = downloads_.size();
+  s.ring_capacity = ring_.capacity();
+  s.ring_bytes_live = ring_.bytes_live();
+  s.arena = arena_.stats();
+  return s;
+}
+
+}  // namespace layerstream

@@ -1,0 +1,213 @@
+// TransferEngine: exact bytes, one copy per layer, reuse while in the ring, fresh bytes after a host
+// write, exact accounting, error paths, and nothing left behind.
+#include <cstring>
+#include <numeric>
+
+#include "backends.h"
+#include "layerstream/check.h"
+#include "layerstream/transfer_engine.h"
+
+namespace layerstream::testing {
+namespace {
+
+class TransferEngineTest : public BackendTest {
+ protected:
+  void SetUp() override {
+    BackendTest::SetUp();
+    if (IsSkipped()) return;
+    compute_ = Stream(backend());
+  }
+
+  static void fill(TransferEngine& engine, LayerId id, unsigned seed) {
+    HostBlock b = engine.host_block(id);
+    auto* p = static_cast<unsigned char*>(b.data);
+    for (std::size_t i = 0; i < b.bytes; ++i) p[i] = static_cast<unsigned char>(i * 31u + seed);
+  }
+  static std::vector<unsigned char> host_bytes(TransferEngine& engine, LayerId id) {
+    HostBlock b = engine.host_block(id);
+    const auto* p = static_cast<const unsigned char*>(b.data);
+    return std::vector<unsigned char>(p, p + b.bytes);
+  }
+  // The reader protocol: wait, read on the compute stream, release.
+  std::vector<unsigned char> use(TransferEngine& engine, LayerId id, Lease* out = nullptr) {
+    Lease l = engine.fetch(id);
+    engine.wait_ready(l, compute_.get());
+    auto bytes = read_back(engine.device_data(l), l.bytes, compute_.get());
+    engine.release(l, compute_.get());
+    if (out) *out = l;
+    return bytes;
+  }
+
+  Stream compute_;
+};
+
+EngineOptions small_options(std::size_t ring_bytes) {
+  EngineOptions o;
+  o.ring_bytes = ring_bytes;
+  o.arena.chunk_bytes = 1 << 20;
+  return o;
+}
+
+TEST_P(TransferEngineTest, FetchDeliversTheExactBytesWithOneCopyPerLayer) {
+  TransferEngine engine(backend(), small_options(1 << 20));
+  const std::size_t sizes[] = {4096, 100001, 7, 65536};
+  std::vector<LayerId> ids;
+  for (std::size_t i = 0; i < 4; ++i) {
+    ids.push_back(engine.add_layer(sizes[i]));
+    fill(engine, ids.back(), static_cast<unsigned>(i));
+  }
+  for (LayerId id : ids) EXPECT_EQ(use(engine, id), host_bytes(engine, id));
+  const EngineStats s = engine.stats();
+  EXPECT_EQ(s.copies_h2d, 4u);
+  EXPECT_EQ(s.bytes_h2d, 4096u + 100001u + 7u + 65536u);
+  EXPECT_EQ(s.arena.bytes_requested, 4096u + 100001u + 7u + 65536u);
+  EXPECT_EQ(s.leases_outstanding, 0u);
+}
+
+TEST_P(TransferEngineTest, LayerStillInTheRingIsNotCopiedAgain) {
+  TransferEngine engine(backend(), small_options(1 << 20));
+  LayerId a = engine.add_layer(50000);
+  fill(engine, a, 1);
+  Lease first, second;
+  use(engine, a, &first);
+  auto again = use(engine, a, &second);
+  EXPECT_TRUE(first.copied);
+  EXPECT_FALSE(second.copied);
+  EXPECT_EQ(again, host_bytes(engine, a));
+  EXPECT_EQ(engine.stats().copies_h2d, 1u);
+  EXPECT_EQ(engine.stats().reuse_hits, 1u);
+  EXPECT_TRUE(engine.on_device(a));
+}
+
+TEST_P(TransferEngineTest, EvictedLayerIsCopiedAgainCorrectly) {
+  TransferEngine engine(backend(), small_options(8192));
+  LayerId a = engine.add_layer(4096), b = engine.add_layer(4096), c = engine.add_layer(4096);
+  fill(engine, a, 1), fill(engine, b, 2), fill(engine, c, 3);
+  use(engine, a), use(engine, b), use(engine, c);  // c evicts a
+  EXPECT_FALSE(engine.on_device(a));
+  EXPECT_EQ(use(engine, a), host_bytes(engine, a));
+  EXPECT_EQ(engine.stats().copies_h2d, 4u);
+  EXPECT_EQ(engine.stats().evictions, 2u);  // a by c, then b by a
+}
+
+TEST_P(TransferEngineTest, HostWriteIsNeverServedStale) {
+  TransferEngine engine(backend(), small_options(1 << 20));
+  LayerId a = engine.add_layer(10000);
+  fill(engine, a, 1);
+  use(engine, a);
+  engine.begin_host_write(a);
+  fill(engine, a, 99);
+  EXPECT_FALSE(engine.on_device(a));
+  Lease l;
+  EXPECT_EQ(use(engine, a, &l), host_bytes(engine, a));
+  EXPECT_TRUE(l.copied);
+}
+
+TEST_P(TransferEngineTest, MisuseIsReportedAndTheEngineKeepsWorking) {
+  TransferEngine engine(backend(), small_options(8192));
+  LayerId a = engine.add_layer(1000);
+  fill(engine, a, 5);
+  Lease l = engine.fetch(a);
+  EXPECT_THROW(engine.remove_layer(a), InvalidArgument);      // lease outstanding
+  EXPECT_THROW(engine.begin_host_write(a), InvalidArgument);  // device copy in use
+  engine.release(l, compute_.get());
+  try {
+    engine.device_data(l);
+    FAIL() << "use after release was not caught";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("use after release"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(engine.release(l, compute_.get()), InvalidArgument);  // double release
+  EXPECT_THROW(engine.wait_ready(l, compute_.get()), InvalidArgument);
+  EXPECT_THROW(engine.fetch(12345), InvalidArgument);                // unknown layer
+  EXPECT_THROW(engine.add_layer(8193), InvalidArgument);             // larger than the ring
+  EXPECT_THROW(engine.add_layer(0), InvalidArgument);
+  EXPECT_THROW(engine.wait_download(777), InvalidArgument);
+  EXPECT_EQ(use(engine, a), host_bytes(engine, a));  // still fine
+  engine.remove_layer(a);
+  EXPECT_THROW(engine.fetch(a), InvalidArgument);
+}
+
+TEST_P(TransferEngineTest, DownloadsLandAfterTheProducersWork) {
+  TransferEngine engine(backend(), small_options(1 << 20));
+  LayerId a = engine.add_layer(30000);
+  fill(engine, a, 7);
+  Lease l = engine.fetch(a);
+  engine.wait_ready(l, compute_.get());
+  PinnedBuffer out1(backend(), 30000, PinMethod::kHostAlloc);
+  PinnedBuffer out2(backend(), 30000, PinMethod::kHostAlloc);
+  const std::uint64_t t1 = engine.download(out1.data(), l.data, 30000, compute_.get());
+  engine.download(out2.data(), l.data, 30000, compute_.get());
+  EXPECT_EQ(engine.stats().downloads_pending, 2u);
+  engine.wait_download(t1);
+  EXPECT_EQ(std::memcmp(out1.data(), host_bytes(engine, a).data(), 30000), 0);
+  engine.sync_downloads();
+  EXPECT_EQ(std::memcmp(out2.data(), host_bytes(engine, a).data(), 30000), 0);
+  engine.release(l, compute_.get());
+  EXPECT_EQ(engine.stats().bytes_d2h, 60000u);
+  EXPECT_EQ(engine.stats().downloads_pending, 0u);
+}
+
+LS_INSTANTIATE_ON_BACKENDS(TransferEngineTest);
+
+// ---- sim-only: fallback staging and teardown -----------------------------------------------------------
+
+TEST(TransferEngineSim, PageableLayersAreStagedThroughBounceBuffers) {
+  SimOptions sim_options;
+  sim_options.pinned_capacity_bytes = 2 * 4096;  // only the bounce buffers can be pinned
+  sim_options.scramble_copies = true;
+  SimBackend sim(sim_options);
+  Stream compute(sim);
+  EngineOptions options = small_options(1 << 20);
+  options.bounce_bytes = 4096;
+  TransferEngine engine(sim, options);
+  LayerId a = engine.add_layer(50000);
+  ASSERT_FALSE(engine.host_block(a).pinned);
+  auto* p = static_cast<unsigned char*>(engine.host_block(a).data);
+  for (std::size_t i = 0; i < 50000; ++i) p[i] = static_cast<unsigned char>(i ^ (i >> 7));
+  Lease l = engine.fetch(a);
+  engine.wait_ready(l, compute.get());
+  std::vector<unsigned char> out(50000);
+  sim.memcpy_d2h_async(out.data(), engine.device_data(l), 50000, compute.get());
+  engine.release(l, compute.get());
+  sim.stream_synchronize(compute.get());
+  EXPECT_EQ(std::memcmp(out.data(), p, 50000), 0);
+  EXPECT_EQ(engine.stats().bounce_chunks, 13u);  // ceil(50000 / 4096)
+  EXPECT_EQ(sim.violation_count(), 0u) << sim.violations().front();
+}
+
+TEST(TransferEngineSim, TeardownReturnsEveryResource) {
+  SimBackend sim;
+  {
+    Stream compute(sim);
+    TransferEngine engine(sim, small_options(1 << 16));
+    for (int i = 0; i < 10; ++i) {
+      LayerId id = engine.add_layer(3000 + static_cast<std::size_t>(i));
+      Lease l = engine.fetch(id);
+      engine.wait_ready(l, compute.get());
+      engine.release(l, compute.get());
+      if (i % 2) engine.remove_layer(id);
+    }
+    EXPECT_GT(sim.memory_stats().device_bytes, 0u);
+    EXPECT_GT(sim.memory_stats().pinned_bytes, 0u);
+  }
+  const SimMemoryStats m = sim.memory_stats();
+  EXPECT_EQ(m.device_bytes, 0u);
+  EXPECT_EQ(m.pinned_bytes, 0u);
+  EXPECT_EQ(m.streams, 0u);
+  EXPECT_EQ(m.events, 0u);
+}
+
+TEST(TransferEngineSim, RemovingEveryLayerReturnsTheHostMemory) {
+  SimBackend sim;
+  TransferEngine engine(sim, small_options(1 << 16));
+  std::vector<LayerId> ids;
+  for (int i = 0; i < 20; ++i) ids.push_back(engine.add_layer(5000));
+  EXPECT_GT(engine.stats().arena.bytes_held, 0u);
+  for (LayerId id : ids) engine.remove_layer(id);
+  EXPECT_EQ(engine.stats().arena.bytes_held, 0u);
+  EXPECT_EQ(engine.stats().layers, 0u);
+}
+
+}  // namespace
+}  // namespace layerstream::testing
