@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Shared set-up for scripts/demo.sh and scripts/test.sh: a virtual environment (.venv, unless one is
+# already active), the build tools, and layerstream built and installed from this checkout.
+# Source it; it leaves the environment activated.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+if [[ -z "${VIRTUAL_ENV:-}" ]]; then
+  if [[ ! -x .venv/bin/python ]]; then
+    python3 -m venv .venv
+  fi
+  # shellcheck disable=SC1091
+  source .venv/bin/activate
+fi
+python -m pip install -q --upgrade pip >/dev/null
+python -m pip install -q -r requirements-dev.txt
+# --no-build-isolation: build against the packages of this environment (torch, once the drop-in lands).
+python -m pip install -q --no-build-isolation .

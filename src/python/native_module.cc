@@ -1,0 +1,202 @@
+// layerstream._native: thin pybind11 bindings of the core, for the CLI (demo, doctor), tests and
+// telemetry. Conversion and delegation only; calls that can block release the GIL.
+//
+// Ownership across the boundary: a Backend outlives everything made from it (py::keep_alive ties each
+// Stream and TransferEngine to its backend). Device addresses are passed to Python as integers and are
+// only meaningful to the backend they came from.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "layerstream/check.h"
+#include "layerstream/cuda_backend.h"
+#include "layerstream/log.h"
+#include "layerstream/sim_backend.h"
+#include "layerstream/transfer_engine.h"
+
+namespace py = pybind11;
+using namespace layerstream;
+
+namespace {
+
+using release_gil = py::call_guard<py::gil_scoped_release>;
+
+std::uintptr_t address(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+
+py::dict arena_stats_dict(const ArenaStats& s) {
+  py::dict d;
+  d["bytes_requested"] = s.bytes_requested;
+  d["bytes_allocated"] = s.bytes_allocated;
+  d["bytes_held"] = s.bytes_held;
+  d["bytes_pinned"] = s.bytes_pinned;
+  d["peak_bytes_held"] = s.peak_bytes_held;
+  d["chunks"] = s.chunks;
+  d["blocks"] = s.blocks;
+  d["pin_fallbacks"] = s.pin_fallbacks;
+  return d;
+}
+
+py::dict engine_stats_dict(const EngineStats& s) {
+  py::dict d;
+  d["fetches"] = s.fetches;
+  d["copies_h2d"] = s.copies_h2d;
+  d["bytes_h2d"] = s.bytes_h2d;
+  d["reuse_hits"] = s.reuse_hits;
+  d["evictions"] = s.evictions;
+  d["bounce_chunks"] = s.bounce_chunks;
+  d["downloads"] = s.downloads;
+  d["bytes_d2h"] = s.bytes_d2h;
+  d["layers"] = s.layers;
+  d["leases_outstanding"] = s.leases_outstanding;
+  d["downloads_pending"] = s.downloads_pending;
+  d["ring_capacity"] = s.ring_capacity;
+  d["ring_bytes_live"] = s.ring_bytes_live;
+  d["arena"] = arena_stats_dict(s.arena);
+  return d;
+}
+
+// Python-side owner of a stream (the RAII Stream, plus a way to synchronize it).
+struct PyStream {
+  Backend* backend;
+  Stream stream;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "layerstream native core (torch-free): backends, pinned arena, device ring, transfer engine";
+
+  py::register_exception<Error>(m, "NativeError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.def("cuda_compiled", &cuda_compiled, "Whether this build includes the CUDA backend.");
+  m.def("cuda_device_count", &cuda_device_count);
+  m.def("cuda_unavailable_reason", &cuda_unavailable_reason);
+  m.def(
+      "set_log_sink",
+      [](py::object sink) {
+        if (sink.is_none()) {
+          set_log_sink(nullptr);
+          return;
+        }
+        // The sink is called from any thread; take the GIL for the call only.
+        auto holder = std::make_shared<py::object>(std::move(sink));
+        set_log_sink([holder](LogLevel level, const std::string& message) {
+          py::gil_scoped_acquire gil;
+          try {
+            (*holder)(static_cast<int>(level), message);
+          } catch (py::error_already_set& e) {
+            e.discard_as_unraisable("layerstream log sink");
+          }
+        });
+      },
+      py::arg("sink"), "Route core log messages to sink(level: int, message: str); None restores stderr.");
+  m.def("reset_log_once", &reset_log_once);
+
+  py::class_<Backend, std::unique_ptr<Backend>>(m, "Backend")
+      .def_property_readonly("name", &Backend::name)
+      .def_property_readonly("kind",
+                             [](const Backend& b) { return b.kind() == BackendKind::kCuda ? "cuda" : "sim"; })
+      .def_property_readonly("device", &Backend::device)
+      .def("memory_info", &Backend::device_memory_info, "(free, total) bytes of device memory.");
+
+  m.def(
+      "sim_backend",
+      [](std::uint64_t seed, double delay_probability, unsigned max_delay_us, bool scramble_copies,
+         std::size_t device_capacity_bytes, py::object pinned_capacity_bytes) {
+        SimOptions o;
+        o.seed = seed;
+        o.delay_probability = delay_probability;
+        o.max_delay_us = max_delay_us;
+        o.scramble_copies = scramble_copies;
+        o.device_capacity_bytes = device_capacity_bytes;
+        if (!pinned_capacity_bytes.is_none()) o.pinned_capacity_bytes = pinned_capacity_bytes.cast<std::size_t>();
+        return std::unique_ptr<Backend>(std::make_unique<SimBackend>(o));
+      },
+      py::arg("seed") = 0, py::arg("delay_probability") = 0.0, py::arg("max_delay_us") = 0,
+      py::arg("scramble_copies") = false, py::arg("device_capacity_bytes") = std::size_t{1} << 30,
+      py::arg("pinned_capacity_bytes") = py::none(),
+      "A simulated device played by host threads, with optional fault injection.");
+  m.def("cuda_backend", &make_cuda_backend, py::arg("device") = 0, "A backend bound to CUDA device N.");
+  m.def("sim_race_count", [](Backend& b) -> std::size_t {
+    auto* sim = dynamic_cast<SimBackend*>(&b);
+    LS_CHECK_ARG(sim != nullptr, "sim_race_count: ", b.name(), " is not a sim backend");
+    return sim->violation_count();
+  });
+  m.def("sim_races", [](Backend& b) {
+    auto* sim = dynamic_cast<SimBackend*>(&b);
+    LS_CHECK_ARG(sim != nullptr, "sim_races: ", b.name(), " is not a sim backend");
+    return sim->violations();
+  });
+
+  py::class_<PyStream>(m, "Stream")
+      .def(py::init([](Backend& b) { return new PyStream{&b, Stream(b)}; }), py::keep_alive<1, 2>())
+      .def("synchronize", [](PyStream& s) { s.backend->stream_synchronize(s.stream.get()); }, release_gil())
+      .def(
+          "read_device",
+          [](PyStream& s, std::uintptr_t device_ptr, std::size_t bytes) {
+            // Reads device bytes back through a pinned staging buffer, ordered after this stream's work.
+            PinnedBuffer staging(*s.backend, bytes, PinMethod::kHostAlloc);
+            {
+              py::gil_scoped_release nogil;
+              s.backend->memcpy_d2h_async(staging.data(), reinterpret_cast<const void*>(device_ptr), bytes,
+                                          s.stream.get());
+              s.backend->stream_synchronize(s.stream.get());
+            }
+            return py::bytes(static_cast<const char*>(staging.data()), bytes);
+          },
+          py::arg("device_ptr"), py::arg("bytes"));
+
+  py::class_<Lease>(m, "Lease")
+      .def_readonly("layer", &Lease::layer)
+      .def_readonly("ticket", &Lease::ticket)
+      .def_readonly("bytes", &Lease::bytes)
+      .def_readonly("copied", &Lease::copied)
+      .def_property_readonly("data", [](const Lease& l) { return address(l.data); });
+
+  py::class_<TransferEngine>(m, "TransferEngine")
+      .def(py::init([](Backend& b, std::size_t ring_bytes, std::size_t chunk_bytes, std::size_t pinned_cap_bytes,
+                       std::string pin_method) {
+             EngineOptions o;
+             o.ring_bytes = ring_bytes;
+             o.arena.chunk_bytes = chunk_bytes;
+             o.arena.pinned_cap_bytes = pinned_cap_bytes;
+             LS_CHECK_ARG(pin_method == "host_alloc" || pin_method == "register",
+                          "pin_method must be 'host_alloc' or 'register', not '", pin_method, "'");
+             o.arena.pin_method = pin_method == "register" ? PinMethod::kRegister : PinMethod::kHostAlloc;
+             return new TransferEngine(b, o);
+           }),
+           py::arg("backend"), py::arg("ring_bytes"), py::arg("chunk_bytes") = std::size_t{256} << 20,
+           py::arg("pinned_cap_bytes") = 0, py::arg("pin_method") = "host_alloc", py::keep_alive<1, 2>())
+      .def("add_layer", &TransferEngine::add_layer, py::arg("bytes"), release_gil())
+      .def("remove_layer", &TransferEngine::remove_layer, py::arg("layer"), release_gil())
+      .def(
+          "host_view",
+          [](TransferEngine& e, LayerId layer) {
+            const HostBlock b = e.host_block(layer);
+            return py::memoryview::from_memory(b.data, static_cast<py::ssize_t>(b.bytes));
+          },
+          py::arg("layer"),
+          "Writable view of the layer's host bytes. Call begin_host_write() before changing them after a fetch.")
+      .def("host_pinned", [](TransferEngine& e, LayerId layer) { return e.host_block(layer).pinned; })
+      .def("begin_host_write", &TransferEngine::begin_host_write, py::arg("layer"), release_gil())
+      .def("on_device", &TransferEngine::on_device, py::arg("layer"))
+      .def("fetch", &TransferEngine::fetch, py::arg("layer"), release_gil())
+      .def(
+          "wait_ready", [](TransferEngine& e, const Lease& l, PyStream& s) { e.wait_ready(l, s.stream.get()); },
+          py::arg("lease"), py::arg("stream"), release_gil())
+      .def(
+          "device_data", [](const TransferEngine& e, const Lease& l) { return address(e.device_data(l)); },
+          py::arg("lease"))
+      .def(
+          "release", [](TransferEngine& e, const Lease& l, PyStream& s) { e.release(l, s.stream.get()); },
+          py::arg("lease"), py::arg("stream"), release_gil())
+      .def("sync_downloads", &TransferEngine::sync_downloads, release_gil())
+      .def("stats", [](const TransferEngine& e) { return engine_stats_dict(e.stats()); });
+}
