@@ -158,17 +158,26 @@ class Event {
   EventHandle handle_;
 };
 
+// An alternative source of device memory (allocate returns nullptr when out of memory).
+struct DeviceAllocator {
+  std::function<void*(std::size_t)> allocate;
+  std::function<void(void*)> deallocate;
+  explicit operator bool() const { return static_cast<bool>(allocate); }
+};
+
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
-  // Allocates `bytes` on the backend's device; throws layerstream::Error naming the size when refused.
-  DeviceBuffer(Backend& backend, std::size_t bytes);
+  // Allocates `bytes` on the backend's device (through `allocator` when given); throws layerstream::Error
+  // naming the size when refused.
+  DeviceBuffer(Backend& backend, std::size_t bytes, DeviceAllocator allocator = {});
   ~DeviceBuffer() { reset(); }
   DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
   DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
     if (this != &other) {
       reset();
       backend_ = std::exchange(other.backend_, nullptr);
+      allocator_ = std::exchange(other.allocator_, DeviceAllocator{});
       ptr_ = std::exchange(other.ptr_, nullptr);
       bytes_ = std::exchange(other.bytes_, 0);
     }
@@ -180,13 +189,20 @@ class DeviceBuffer {
   void* data() const { return ptr_; }
   std::size_t size() const { return bytes_; }
   void reset() noexcept {
-    if (ptr_) backend_->device_free(ptr_);
+    if (ptr_) {
+      if (allocator_) {
+        allocator_.deallocate(ptr_);
+      } else {
+        backend_->device_free(ptr_);
+      }
+    }
     ptr_ = nullptr;
     bytes_ = 0;
   }
 
  private:
   Backend* backend_ = nullptr;
+  DeviceAllocator allocator_;
   void* ptr_ = nullptr;
   std::size_t bytes_ = 0;
 };

@@ -49,7 +49,8 @@ struct Eviction {
 
 class DeviceRing {
  public:
-  DeviceRing(Backend& backend, std::size_t capacity_bytes, std::size_t alignment = 256);
+  DeviceRing(Backend& backend, std::size_t capacity_bytes, std::size_t alignment = 256,
+             DeviceAllocator allocator = {});
   DeviceRing(const DeviceRing&) = delete;
   DeviceRing& operator=(const DeviceRing&) = delete;
 
@@ -64,6 +65,9 @@ class DeviceRing {
   // Drops a region that is not held, handing back its events as an eviction would (for a layer whose
   // host bytes changed). Throws InvalidArgument when the region is held.
   void discard(RegionId region, Eviction& eviction);
+
+  // Blocks the host until every recorded release has completed (before the slab is freed).
+  void synchronize_releases();
 
   bool live(RegionId region) const { return regions_.count(region) != 0; }
   RegionInfo info(RegionId region) const;

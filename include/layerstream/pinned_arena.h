@@ -27,8 +27,12 @@
 namespace layerstream {
 
 struct ArenaOptions {
-  // Size of a regular chunk. Blocks larger than this get a chunk of their own, sized to them.
+  // Largest regular chunk. Blocks larger than this get a chunk of their own, sized to them.
   std::size_t chunk_bytes = std::size_t{256} << 20;
+  // Chunks grow with what the arena holds: a new chunk is bytes_held / growth_divisor (at least the
+  // block, at most chunk_bytes), so the unused tail of the last chunk stays under 1/growth_divisor of
+  // the total (about 3% by default) for small models and large ones alike. 0: always chunk_bytes.
+  std::size_t growth_divisor = 32;
   // Every block starts at a multiple of this (a power of two, at least 16).
   std::size_t alignment = 256;
   // Most bytes the arena will pin; chunks beyond it are pageable. 0 means no cap.

@@ -50,6 +50,9 @@ struct EngineOptions {
   // Pinned staging for pageable layers: this many buffers of this size, used round-robin.
   std::size_t bounce_bytes = std::size_t{16} << 20;
   int bounce_buffers = 2;
+  // Where the ring's device memory comes from. Empty: the backend (cudaMalloc). The torch glue passes
+  // PyTorch's caching allocator, so the ring counts in torch.cuda.memory_allocated() and its limits.
+  DeviceAllocator ring_allocator;
 };
 
 struct Lease {
@@ -86,8 +89,11 @@ class TransferEngine {
   TransferEngine(const TransferEngine&) = delete;
   TransferEngine& operator=(const TransferEngine&) = delete;
 
-  // Registers a layer of `bytes` packed bytes; its host block is allocated from the arena.
+  // Registers a layer of `bytes` packed bytes; its host block is allocated from the engine's arena.
   LayerId add_layer(std::size_t bytes);
+  // Registers a layer whose host bytes the caller owns (e.g. an arena block shared with tensors that view
+  // it). The caller keeps them alive and unchanged until remove_layer() or begin_host_write() returns.
+  LayerId add_external_layer(const HostBlock& block);
   // Forgets a layer: waits for copies reading its host bytes, drops its ring region, frees its block.
   // Throws InvalidArgument while a lease on it is outstanding.
   void remove_layer(LayerId layer);
@@ -97,6 +103,9 @@ class TransferEngine {
 
   Lease fetch(LayerId layer);
   void wait_ready(const Lease& lease, StreamHandle consumer);
+  // For readers on the host itself (the simulator's CPU compute): blocks until the copy has landed.
+  // Release afterwards on any stream: work enqueued after host reads is ordered after them.
+  void wait_ready_host(const Lease& lease);
   void* device_data(const Lease& lease) const;
   void release(const Lease& lease, StreamHandle consumer);
 
@@ -116,6 +125,7 @@ class TransferEngine {
     Event copied;        // recorded on H2D after each copy of this layer
     RegionId region = 0; // 0: not in the ring
     int leases = 0;
+    bool owned = true;   // block allocated from arena_ (freed by remove_layer)
   };
   struct Outstanding {
     LayerId layer;
@@ -138,6 +148,8 @@ class TransferEngine {
   std::vector<Event> bounce_done_;
   std::size_t next_bounce_ = 0;
   mutable std::mutex mu_;
+  LayerId add_locked(const HostBlock& block, bool owned);
+
   LayerId next_layer_ = 1;
   std::unordered_map<LayerId, Layer> layers_;
   std::uint64_t next_ticket_ = 1;

@@ -13,7 +13,8 @@ bool overlaps(std::size_t a, std::size_t a_len, std::size_t b, std::size_t b_len
 }
 }  // namespace
 
-DeviceRing::DeviceRing(Backend& backend, std::size_t capacity_bytes, std::size_t alignment)
+DeviceRing::DeviceRing(Backend& backend, std::size_t capacity_bytes, std::size_t alignment,
+                       DeviceAllocator allocator)
     : capacity_(capacity_bytes / alignment * alignment),
       alignment_(alignment),
       events_(backend) {
@@ -21,7 +22,7 @@ DeviceRing::DeviceRing(Backend& backend, std::size_t capacity_bytes, std::size_t
                "DeviceRing: alignment must be a power of two, got ", alignment);
   LS_CHECK_ARG(capacity_ > 0, "DeviceRing: capacity must be at least one alignment unit (",
                alignment, " bytes), got ", capacity_bytes);
-  memory_ = DeviceBuffer(backend, capacity_);
+  memory_ = DeviceBuffer(backend, capacity_, std::move(allocator));
 }
 
 void DeviceRing::evict(std::map<RegionId, Region>::iterator it, Eviction& eviction) {
@@ -109,6 +110,12 @@ void DeviceRing::discard(RegionId region, Eviction& eviction) {
   LS_CHECK_ARG(it->second.holds == 0, "DeviceRing::discard: region ", region, " is held ",
                it->second.holds, " time(s); release it first");
   evict(it, eviction);
+}
+
+void DeviceRing::synchronize_releases() {
+  for (auto& [id, r] : regions_) {
+    for (auto& [stream, e] : r.released) e.synchronize();
+  }
 }
 
 RegionInfo DeviceRing::info(RegionId region) const {

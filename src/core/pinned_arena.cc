@@ -55,7 +55,11 @@ HostBlock PinnedArena::allocate(std::size_t bytes) {
   }
 
   if (best_chunk == nullptr) {
-    const std::size_t chunk_size = std::max(options_.chunk_bytes, round_up(rounded, kPageBytes));
+    const std::size_t regular =
+        options_.growth_divisor == 0
+            ? options_.chunk_bytes
+            : std::min(options_.chunk_bytes, round_up(stats_.bytes_held / options_.growth_divisor, kPageBytes));
+    const std::size_t chunk_size = std::max(regular, round_up(rounded, kPageBytes));
     const bool allow_pin = options_.pinned_cap_bytes == 0 ||
                            stats_.bytes_pinned + chunk_size <= options_.pinned_cap_bytes;
     auto chunk = std::make_unique<Chunk>();

@@ -36,9 +36,10 @@ void os_free(void* ptr, std::size_t bytes) noexcept {
 
 }  // namespace
 
-DeviceBuffer::DeviceBuffer(Backend& backend, std::size_t bytes) : backend_(&backend), bytes_(bytes) {
+DeviceBuffer::DeviceBuffer(Backend& backend, std::size_t bytes, DeviceAllocator allocator)
+    : backend_(&backend), allocator_(std::move(allocator)), bytes_(bytes) {
   LS_CHECK_ARG(bytes > 0, "DeviceBuffer: size must be positive");
-  ptr_ = backend.device_alloc(bytes);
+  ptr_ = allocator_ ? allocator_.allocate(bytes) : backend.device_alloc(bytes);
   if (ptr_ == nullptr) {
     const auto [free_bytes, total_bytes] = backend.device_memory_info();
     bytes_ = 0;

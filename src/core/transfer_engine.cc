@@ -13,7 +13,7 @@ TransferEngine::TransferEngine(Backend& backend, EngineOptions options)
       h2d_(backend),
       d2h_(backend),
       arena_(backend, options.arena),
-      ring_(backend, options.ring_bytes, options.arena.alignment),
+      ring_(backend, options.ring_bytes, options.arena.alignment, options.ring_allocator),
       events_(backend) {
   LS_CHECK_ARG(options_.bounce_buffers >= 1 && options_.bounce_bytes >= 4096,
                "TransferEngine: need at least one bounce buffer of at least 4096 bytes");
@@ -24,6 +24,7 @@ TransferEngine::~TransferEngine() {
   try {
     backend_.stream_synchronize(h2d_.get());
     backend_.stream_synchronize(d2h_.get());
+    ring_.synchronize_releases();  // readers on other streams, when the slab goes back to an allocator
   } catch (...) {
     // A failing device at teardown: the frees below synchronize implicitly on CUDA anyway.
   }
@@ -48,10 +49,24 @@ LayerId TransferEngine::add_layer(std::size_t bytes) {
                " bytes; raise ring_bytes to at least the largest layer");
   HostBlock block = arena_.allocate(bytes);
   std::lock_guard<std::mutex> lock(mu_);
+  return add_locked(block, true);
+}
+
+LayerId TransferEngine::add_external_layer(const HostBlock& block) {
+  LS_CHECK_ARG(block.data != nullptr && block.bytes > 0, "add_external_layer: empty host block");
+  LS_CHECK_ARG(block.bytes <= ring_.capacity(), "a layer of ", block.bytes,
+               " bytes does not fit the device ring of ", ring_.capacity(),
+               " bytes; raise ring_bytes to at least the largest layer");
+  std::lock_guard<std::mutex> lock(mu_);
+  return add_locked(block, false);
+}
+
+LayerId TransferEngine::add_locked(const HostBlock& block, bool owned) {
   const LayerId id = next_layer_++;
   Layer& layer = layers_[id];
   layer.block = block;
   layer.copied = events_.take();
+  layer.owned = owned;
   return id;
 }
 
@@ -77,11 +92,11 @@ void TransferEngine::remove_layer(LayerId id) {
     discard_region_locked(layer);
     layer.copied.synchronize();  // the last copy from its host bytes is done
     backend_.annotate_host_access(layer.block.data, layer.block.bytes, true);
-    data = layer.block.data;
+    if (layer.owned) data = layer.block.data;
     events_.give(std::move(layer.copied));
     layers_.erase(id);
   }
-  arena_.free(data);
+  if (data != nullptr) arena_.free(data);
 }
 
 HostBlock TransferEngine::host_block(LayerId layer) const {
@@ -177,6 +192,13 @@ void TransferEngine::wait_ready(const Lease& lease, StreamHandle consumer) {
   LS_CHECK_ARG(leases_.count(lease.ticket) != 0, "wait_ready: lease ", lease.ticket, " of layer ",
                lease.layer, " is not outstanding (already released, or never fetched)");
   backend_.stream_wait_event(consumer, lease.ready);
+}
+
+void TransferEngine::wait_ready_host(const Lease& lease) {
+  std::lock_guard<std::mutex> lock(mu_);
+  LS_CHECK_ARG(leases_.count(lease.ticket) != 0, "wait_ready_host: lease ", lease.ticket, " of layer ",
+               lease.layer, " is not outstanding (already released, or never fetched)");
+  backend_.event_synchronize(lease.ready);
 }
 
 void* TransferEngine::device_data(const Lease& lease) const {
