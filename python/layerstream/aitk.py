@@ -1,0 +1,49 @@
+"""Load AI-Toolkit's own ``toolkit.memory_management`` package from a checkout, on either engine.
+
+Used by the tests and benchmarks that drive AI-Toolkit's real ``manager.py`` (never a copy of it): the
+checkout's ``manager.py`` and ``__init__.py`` run unchanged, and only ``manager_modules`` is chosen:
+``engine="layerstream"`` puts layerstream's compiled module in its place, ``engine="stock"`` loads the
+checkout's own Python file. Each engine gets its own package name, so both can live in one process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+
+def aitk_dir_from_env() -> Path | None:
+    """The checkout named by ``AI_TOOLKIT_DIR``, or None when unset."""
+    value = os.environ.get("AI_TOOLKIT_DIR")
+    return Path(value) if value else None
+
+
+def load_memory_management(aitk_dir: str | os.PathLike, engine: str = "layerstream") -> ModuleType:
+    """Import ``toolkit/memory_management`` of ``aitk_dir`` and return the package (``.MemoryManager`` etc.)."""
+    if engine not in ("layerstream", "stock"):
+        raise ValueError(f"engine must be 'layerstream' or 'stock', not {engine!r}")
+    mm_dir = Path(aitk_dir) / "toolkit" / "memory_management"
+    if not (mm_dir / "manager.py").is_file():
+        raise ValueError(f"{aitk_dir} is not an AI-Toolkit checkout: {mm_dir / 'manager.py'} does not exist")
+    name = f"_layerstream_aitk_{engine}_{abs(hash(str(mm_dir.resolve()))):x}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(
+        name, mm_dir / "__init__.py", submodule_search_locations=[str(mm_dir)]
+    )
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    if engine == "layerstream":
+        from . import manager_modules
+
+        sys.modules[name + ".manager_modules"] = manager_modules
+    try:
+        spec.loader.exec_module(package)
+    except BaseException:
+        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+            del sys.modules[key]
+        raise
+    return package

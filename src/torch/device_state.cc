@@ -1,0 +1,205 @@
+#include "device_state.h"
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "layerstream/check.h"
+#include "layerstream/cuda_backend.h"
+#include "layerstream/log.h"
+#include "layerstream/sim_backend.h"
+
+#ifdef LAYERSTREAM_TORCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace layerstream::torchglue {
+
+namespace {
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+std::mutex& registry_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::vector<std::weak_ptr<DeviceState>>& registry() {
+  static auto* r = new std::vector<std::weak_ptr<DeviceState>>();  // outlives static teardown
+  return *r;
+}
+
+std::size_t env_mib(const char* name, std::size_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const unsigned long long mib = std::strtoull(v, &end, 10);
+  LS_CHECK_ARG(end != v && *end == '\0' && mib > 0, name, "=", v,
+               " is not a positive whole number of MiB; unset it or give e.g. ", name, "=1024");
+  return static_cast<std::size_t>(mib) * kMiB;
+}
+
+void add_counters(EngineStats& into, const EngineStats& from) {
+  into.fetches += from.fetches;
+  into.copies_h2d += from.copies_h2d;
+  into.bytes_h2d += from.bytes_h2d;
+  into.reuse_hits += from.reuse_hits;
+  into.evictions += from.evictions;
+  into.bounce_chunks += from.bounce_chunks;
+  into.downloads += from.downloads;
+  into.bytes_d2h += from.bytes_d2h;
+}
+
+}  // namespace
+
+HostBlockRef::HostBlockRef(std::shared_ptr<HostPool> pool, std::size_t bytes)
+    : pool_(std::move(pool)), block_(pool_->arena->allocate(bytes)) {}
+
+HostBlockRef::~HostBlockRef() {
+  try {
+    pool_->arena->free(block_.data);
+  } catch (const std::exception& e) {
+    log(LogLevel::kError, std::string("freeing a host block failed: ") + e.what());
+  }
+}
+
+DeviceState::DeviceState(const c10::Device& device, Mode mode) : device_(device), mode_(mode) {
+  pool_ = std::make_shared<HostPool>();
+  ArenaOptions arena;
+  arena.chunk_bytes = env_mib("LAYERSTREAM_CHUNK_MB", 256 * kMiB);
+  arena.pinned_cap_bytes = std::getenv("LAYERSTREAM_PINNED_CAP_MB") ? env_mib("LAYERSTREAM_PINNED_CAP_MB", 0) : 0;
+  switch (mode) {
+    case Mode::kCuda:
+      pool_->backend = std::shared_ptr<Backend>(make_cuda_backend(device.index()));
+      break;
+    case Mode::kSim: {
+      SimOptions o;
+      o.device = 0;
+      o.device_capacity_bytes = std::size_t{64} << 30;  // the host's memory stands in for the device's
+      pool_->backend = std::make_shared<SimBackend>(o);
+      host_stream_ = Stream(*pool_->backend);
+      break;
+    }
+    case Mode::kCpu: {
+      SimOptions o;  // only its host allocation is used: no streams, no copies
+      pool_->backend = std::make_shared<SimBackend>(o);
+      break;
+    }
+  }
+  pool_->arena = std::make_unique<PinnedArena>(*pool_->backend, arena);
+}
+
+std::shared_ptr<DeviceState> DeviceState::create(const c10::Device& device, Mode mode) {
+  std::shared_ptr<DeviceState> state(new DeviceState(device, mode));
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto& r = registry();
+  r.erase(std::remove_if(r.begin(), r.end(), [](const auto& w) { return w.expired(); }), r.end());
+  r.push_back(state);
+  return state;
+}
+
+DeviceState::~DeviceState() {
+  engine_.reset();  // synchronizes its streams and the ring's readers first
+  host_stream_.reset();
+}
+
+std::vector<std::shared_ptr<DeviceState>> DeviceState::live() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  std::vector<std::shared_ptr<DeviceState>> out;
+  for (auto& w : registry()) {
+    if (auto s = w.lock()) out.push_back(std::move(s));
+  }
+  return out;
+}
+
+std::size_t DeviceState::ring_bytes_for(std::size_t layer_bytes) const {
+  const std::size_t aligned = (layer_bytes + 255) / 256 * 256;
+  // Three of the largest layer guarantee room for the next one wherever the held one sits, with
+  // headroom for reuse; on a GPU at least 512 MiB, so that a block's layers stay resident together.
+  const std::size_t floor = mode_ == Mode::kCuda ? 512 * kMiB : 0;
+  const std::size_t wanted = env_mib("LAYERSTREAM_RING_MB", std::max(3 * aligned, floor));
+  LS_CHECK_ARG(wanted >= aligned, "LAYERSTREAM_RING_MB is ", wanted / kMiB,
+               " MiB, smaller than a layer of ", layer_bytes, " bytes; raise it to at least ",
+               (aligned + kMiB - 1) / kMiB, " MiB (3x that is better)");
+  return wanted;
+}
+
+TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (engine_ && engine_->stats().ring_capacity >= layer_bytes) return *engine_;
+  LS_CHECK(mode_ != Mode::kCpu, "internal: the engine is not used on a CPU process device");
+  if (engine_) {
+    const EngineStats old = engine_->stats();
+    LS_CHECK(old.leases_outstanding == 0, "cannot grow the device ring while ", old.leases_outstanding,
+             " layer(s) are in use; attach every layer before the first forward");
+    add_counters(retired_, old);
+    engine_.reset();
+  }
+  EngineOptions options;
+  options.ring_bytes = ring_bytes_for(layer_bytes);
+#ifdef LAYERSTREAM_TORCH_CUDA
+  if (mode_ == Mode::kCuda) {
+    // Ring memory from torch's caching allocator: it then counts in torch.cuda.memory_allocated() and
+    // obeys set_per_process_memory_fraction, like every other tensor of the process.
+    const c10::DeviceIndex index = device_.index();
+    options.ring_allocator.allocate = [index](std::size_t bytes) -> void* {
+      c10::cuda::CUDAGuard guard(index);
+      try {
+        return c10::cuda::CUDACachingAllocator::raw_alloc(bytes);
+      } catch (const c10::OutOfMemoryError&) {
+        return nullptr;
+      }
+    };
+    options.ring_allocator.deallocate = [](void* p) { c10::cuda::CUDACachingAllocator::raw_delete(p); };
+  }
+#endif
+  engine_ = std::make_unique<TransferEngine>(*pool_->backend, options);
+  ++generation_;
+  ++engines_built_;
+  log(LogLevel::kInfo, "layerstream engine on " + describe() + ": device ring of " +
+                           std::to_string(options.ring_bytes) + " bytes");
+  return *engine_;
+}
+
+StreamHandle DeviceState::consumer_stream() {
+#ifdef LAYERSTREAM_TORCH_CUDA
+  if (mode_ == Mode::kCuda) {
+    return StreamHandle{c10::cuda::getCurrentCUDAStream(device_.index()).stream()};
+  }
+#endif
+  LS_CHECK(mode_ == Mode::kSim, "internal: no consumer stream on a CPU process device");
+  return host_stream_.get();
+}
+
+void DeviceState::sync_downloads() {
+  TransferEngine* engine;
+  std::vector<at::Tensor> sources;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    engine = engine_.get();
+    sources.swap(download_sources_);
+  }
+  if (engine) engine->sync_downloads();
+  // `sources` are released here, after their copies have landed.
+}
+
+void DeviceState::keep_until_synced(at::Tensor source) {
+  std::lock_guard<std::mutex> lock(mu_);
+  download_sources_.push_back(std::move(source));
+}
+
+StateStats DeviceState::stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  StateStats s;
+  if (engine_) s.engine = engine_->stats();
+  add_counters(s.engine, retired_);
+  s.engine.arena = pool_->arena->stats();
+  s.engines_built = engines_built_;
+  return s;
+}
+
+std::string DeviceState::describe() const {
+  const char* m = mode_ == Mode::kCuda ? "cuda" : mode_ == Mode::kSim ? "sim" : "cpu";
+  return device_.str() + " [" + m + " backend: " + pool_->backend->name() + "]";
+}
+
+}  // namespace layerstream::torchglue

@@ -1,0 +1,413 @@
+// manager_modules: the drop-in replacement of AI-Toolkit's toolkit/memory_management/manager_modules.py.
+//
+// The surface (names, attributes, side effects) is the one AI-Toolkit's manager.py relies on, for the
+// 2025-11 and 2026-08 versions alike; see docs/ai-toolkit.md. What is done per call runs in C++: the
+// forward installed on a managed layer is a C++ callable that reads the layer's weight and bias, checks
+// them against the packed copy, and calls the StreamedLayer's autograd function. Python code runs only at
+// attach time and on the generic path for tensor-subclass (quantized) weights.
+//
+// Lifetime: the installed forward holds the StreamedLayer (C++) and weak references to the layer and to
+// its `_layer_memory_manager` object, so no reference cycle hides from Python's garbage collector.
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "device_state.h"
+#include "layerstream/check.h"
+#include "layerstream/log.h"
+#include "streamed_layer.h"
+
+#ifdef LAYERSTREAM_TORCH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+namespace py = pybind11;
+using namespace layerstream;
+using namespace layerstream::torchglue;
+
+namespace {
+
+// The object a managed layer gets as `_layer_memory_manager`. Python attributes (module, manager,
+// _original_forward) live in its __dict__, which the garbage collector can traverse.
+struct LayerManager {
+  c10::intrusive_ptr<StreamedLayer> layer;  // null on the generic and OstrisLinear paths
+  std::string path;                          // "streamed", "cpu", "generic" or "ostris"
+  virtual ~LayerManager() = default;
+};
+struct LinearManager : LayerManager {};
+struct ConvManager : LayerManager {};
+struct OstrisManager : LayerManager {};
+
+struct DeviceStateHandle {
+  std::shared_ptr<DeviceState> state;
+};
+
+py::dict& device_state_dict() {
+  static py::dict* d = nullptr;
+  if (d == nullptr) d = new py::dict();  // lives as long as the interpreter (module attribute too)
+  return *d;
+}
+
+py::module_& torch_module() {
+  static py::module_* t = new py::module_(py::module_::import("torch"));
+  return *t;
+}
+
+std::shared_ptr<DeviceState> state_for(const py::object& device_obj) {
+  py::object key = torch_module().attr("device")(device_obj);
+  py::dict& states = device_state_dict();
+  if (states.contains(key)) {
+    py::object entry = states[key];
+    if (py::isinstance<DeviceStateHandle>(entry)) return entry.cast<DeviceStateHandle&>().state;
+  }
+  at::Device device = key.cast<at::Device>();
+  Mode mode;
+  if (device.is_cuda()) {
+#ifdef LAYERSTREAM_TORCH_CUDA
+    if (!device.has_index()) device.set_index(c10::cuda::current_device());
+    mode = Mode::kCuda;
+#else
+    throw py::value_error("layerstream was built against a torch without CUDA, but the process device is " +
+                          device.str() + "; rebuild layerstream in the environment that has the CUDA torch");
+#endif
+  } else {
+    const char* backend = std::getenv("LAYERSTREAM_BACKEND");
+    const std::string b = backend ? backend : "";
+    if (!b.empty() && b != "sim" && b != "cpu") {
+      throw py::value_error("LAYERSTREAM_BACKEND=" + b + " is not understood; use 'sim' or 'cpu' (or unset it)");
+    }
+    mode = b == "sim" ? Mode::kSim : Mode::kCpu;
+  }
+  auto state = DeviceState::create(device, mode);
+  states[key] = py::cast(DeviceStateHandle{state});
+  log_once("engine-" + state->describe(), LogLevel::kInfo,
+           "layerstream manager_modules active on " + state->describe());
+  return state;
+}
+
+// A plain dense tensor (Parameter or Tensor, not a subclass, not quantized) can be packed.
+bool is_plain(const py::handle& obj) {
+  if (obj.is_none()) return true;
+  py::object type = py::type::of(obj);
+  const py::object parameter_type = torch_module().attr("nn").attr("Parameter");
+  const py::object tensor_type = torch_module().attr("Tensor");
+  if (!type.is(parameter_type) && !type.is(tensor_type)) {
+    return false;
+  }
+  const at::Tensor t = obj.cast<at::Tensor>();
+  return t.layout() == at::kStrided && !t.is_quantized() && (t.is_cpu() || t.is_cuda());
+}
+
+at::Tensor tensor_or_undefined(const py::object& obj) {
+  return obj.is_none() ? at::Tensor() : obj.cast<at::Tensor>();
+}
+
+std::vector<std::int64_t> pair_of(const py::object& v) {
+  if (py::isinstance<py::int_>(v)) {
+    const auto i = v.cast<std::int64_t>();
+    return {i, i};
+  }
+  return v.cast<std::vector<std::int64_t>>();
+}
+
+// Conv layers whose padding is a string or whose padding_mode is not "zeros" take the generic path
+// (their own _conv_forward handles those).
+bool conv_is_plain(const py::object& module) {
+  return !py::isinstance<py::str>(module.attr("padding")) &&
+         py::getattr(module, "padding_mode", py::str("zeros")).cast<std::string>() == "zeros";
+}
+
+ConvParams conv_params_of(const py::object& module) {
+  ConvParams p;
+  p.stride = pair_of(module.attr("stride"));
+  p.padding = pair_of(module.attr("padding"));
+  p.dilation = pair_of(module.attr("dilation"));
+  p.groups = module.attr("groups").cast<std::int64_t>();
+  return p;
+}
+
+// Upstream moved tensor-subclass weights to the CPU by replacing the whole Parameter (`.data =` does
+// not move a subclass's inner tensors). The generic path does the same.
+void move_params_to_cpu(const py::object& module) {
+  py::dict params = module.attr("_parameters");
+  for (const char* name : {"weight", "bias"}) {
+    if (!params.contains(name) || params[name].is_none()) continue;
+    py::object p = params[name];
+    if (p.attr("device").attr("type").cast<std::string>() == "cpu") continue;
+    py::object moved = p.attr("detach")().attr("to")("cpu");
+    py::object param = torch_module().attr("nn").attr("Parameter")(moved, py::arg("requires_grad") = p.attr("requires_grad"));
+    py::setattr(module, name, param);
+  }
+}
+
+bool needs_dequantize(const py::object& w) {
+  if (torch_module().attr("is_quantized")(w).cast<bool>()) return true;
+  const std::string mod = py::type::of(w).attr("__module__").cast<std::string>();
+  if (mod.rfind("torchao", 0) == 0) return true;
+  return !w.attr("dtype").attr("is_floating_point").cast<bool>();
+}
+
+// Weight on the compute device in a form F.linear/F.conv2d accept (generic path).
+py::object materialize(const py::object& w, const py::object& device, const py::object& dtype) {
+  if (w.is_none()) return w;
+  py::object moved = w.attr("to")(device, py::arg("non_blocking") = true);
+  if (needs_dequantize(w)) {
+    moved = py::hasattr(moved, "dequantize") ? moved.attr("dequantize")() : moved.attr("to")(dtype);
+    if (!py::object(moved.attr("dtype")).is(dtype)) moved = moved.attr("to")(dtype);
+  }
+  return moved;
+}
+
+py::object compute_dtype_of(const py::object& x) {
+  py::object dt = x.attr("dtype");
+  py::module_& t = torch_module();
+  for (const char* name : {"float32", "float16", "bfloat16"}) {
+    if (dt.is(py::object(t.attr(name)))) return dt;
+  }
+  return t.attr("bfloat16");
+}
+
+py::object generic_forward(const py::object& module, const py::object& x, bool conv,
+                           const std::shared_ptr<DeviceState>& state) {
+  const bool on_cpu = state->mode() != Mode::kCuda;
+  py::object device = on_cpu ? torch_module().attr("device")("cpu") : py::cast(state->device());
+  py::object xin = on_cpu ? x.attr("to")("cpu") : x;
+  py::object dtype = compute_dtype_of(xin);
+  py::object w = materialize(module.attr("weight"), device, dtype);
+  py::object b = materialize(py::getattr(module, "bias", py::none()), device, dtype);
+  py::object out;
+  if (conv) {
+    out = module.attr("_conv_forward")(xin, w, b);
+  } else {
+    out = torch_module().attr("nn").attr("functional").attr("linear")(xin, w, b);
+  }
+  return on_cpu ? out.attr("to")(x.attr("device")) : out;
+}
+
+// OstrisLinear: the quantized state is in `_buffers` (plus the bias); stage it onto the device, run the
+// layer's own forward (its quantizer), then put the host tensors back.
+py::object ostris_forward(const py::object& module, const py::object& original, const py::object& x,
+                          const std::shared_ptr<DeviceState>& state) {
+  if (state->mode() != Mode::kCuda) return original(x);
+  py::object device = py::cast(state->device());
+  py::dict buffers = module.attr("_buffers");
+  py::dict host_buffers;
+  for (auto item : buffers) {
+    if (item.second.is_none()) continue;
+    py::object t = py::reinterpret_borrow<py::object>(item.second);
+    if (t.attr("device").attr("type").cast<std::string>() != "cpu") continue;
+    host_buffers[item.first] = t;
+  }
+  py::object bias = py::dict(module.attr("_parameters")).attr("get")("bias");
+  py::object host_bias_data = py::none();
+  if (!bias.is_none() && bias.attr("device").attr("type").cast<std::string>() == "cpu") {
+    host_bias_data = bias.attr("data");
+  }
+  if (host_buffers.size() == 0 && host_bias_data.is_none()) return original(x);
+  for (auto item : host_buffers) {
+    buffers[item.first] = py::reinterpret_borrow<py::object>(item.second).attr("to")(device, py::arg("non_blocking") = true);
+  }
+  if (!host_bias_data.is_none()) bias.attr("data") = host_bias_data.attr("to")(device, py::arg("non_blocking") = true);
+  try {
+    py::object out = original(x);
+    for (auto item : host_buffers) buffers[item.first] = item.second;
+    if (!host_bias_data.is_none()) bias.attr("data") = host_bias_data;
+    return out;
+  } catch (...) {
+    for (auto item : host_buffers) buffers[item.first] = item.second;
+    if (!host_bias_data.is_none()) bias.attr("data") = host_bias_data;
+    throw;
+  }
+}
+
+py::cpp_function make_forward(const py::object& module, const py::object& manager_obj,
+                              c10::intrusive_ptr<StreamedLayer> layer, std::shared_ptr<DeviceState> state,
+                              std::string path, bool conv) {
+  py::object weakref = py::module_::import("weakref").attr("ref");
+  py::object module_ref = weakref(module);
+  py::object manager_ref = weakref(manager_obj);
+  return py::cpp_function([module_ref, manager_ref, layer, state, path, conv](py::args args, py::kwargs kwargs) -> py::object {
+    py::object mgr = manager_ref();
+    py::object module = module_ref();
+    if (mgr.is_none() || module.is_none()) {
+      throw std::runtime_error("layerstream: this forward belongs to a layer that was detached or freed; "
+                               "attach it again with MemoryManager.attach");
+    }
+    if (args.size() != 1 || kwargs.size() != 0) {
+      // Upstream contract: any extra argument goes to the original forward unchanged.
+      return mgr.attr("_original_forward")(*args, **kwargs);
+    }
+    py::object x = args[0];
+    if (path == "ostris") return ostris_forward(module, mgr.attr("_original_forward"), x, state);
+    if (path == "generic") return generic_forward(module, x, conv, state);
+    const at::Tensor weight = module.attr("weight").cast<at::Tensor>();
+    const at::Tensor bias = tensor_or_undefined(py::getattr(module, "bias", py::none()));
+    return py::cast(layer->forward(x.cast<at::Tensor>(), weight, bias));
+  });
+}
+
+enum class Which { kLinear, kConv, kOstris };
+
+// The manager classes as this module defined them (it may be imported under another name, e.g. as
+// toolkit.memory_management.manager_modules in copy mode).
+py::handle& class_of(Which which) {
+  static py::handle classes[3];
+  return classes[static_cast<int>(which)];
+}
+
+void attach(const py::object& module, const py::object& manager, Which which) {
+  if (py::hasattr(module, "_layer_memory_manager")) return;  // second attach: a no-op, as upstream
+  py::object device = torch_module().attr("device")(manager.attr("process_device"));
+  std::shared_ptr<DeviceState> state = state_for(device);
+
+  py::object manager_obj = class_of(which)();
+  LayerManager& core = manager_obj.cast<LayerManager&>();
+  manager_obj.attr("module") = module;
+  manager_obj.attr("manager") = manager;
+  py::object ara = py::hasattr(module, "ara_lora_ref") ? module.attr("ara_lora_ref")() : py::none();
+  manager_obj.attr("_original_forward") = ara.is_none() ? module.attr("forward") : ara.attr("org_forward");
+
+  if (which == Which::kOstris) {
+    core.path = "ostris";
+    // Quantized buffers and the bias go to the host once; they are staged per call.
+    py::dict buffers = module.attr("_buffers");
+    for (auto item : buffers) {
+      if (item.second.is_none()) continue;
+      buffers[item.first] = py::reinterpret_borrow<py::object>(item.second).attr("to")("cpu");
+    }
+    py::object bias = py::dict(module.attr("_parameters")).attr("get")("bias");
+    if (!bias.is_none()) bias.attr("data") = bias.attr("data").attr("to")("cpu");
+  } else {
+    const bool conv = which == Which::kConv;
+    py::object weight = py::dict(module.attr("_parameters")).attr("get")("weight");
+    py::object bias = py::getattr(module, "bias", py::none());
+    const bool plain = !weight.is_none() && is_plain(weight) && is_plain(bias) && (!conv || conv_is_plain(module));
+    if (plain) {
+      core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,
+                                                      conv ? conv_params_of(module) : ConvParams{});
+      core.layer->pack(weight.cast<at::Tensor>(), tensor_or_undefined(bias));
+      core.path = state->mode() == Mode::kCpu ? "cpu" : "streamed";
+    } else {
+      move_params_to_cpu(module);
+      core.path = "generic";
+    }
+  }
+
+  module.attr("_layer_memory_manager") = manager_obj;
+  for (auto p : module.attr("parameters")(py::arg("recurse") = false)) {
+    py::setattr(p, "_is_memory_managed", py::bool_(true));
+  }
+  module.attr("_memory_management_device") = manager.attr("process_device");
+  py::cpp_function forward =
+      make_forward(module, manager_obj, core.layer, state, core.path, which == Which::kConv);
+  if (ara.is_none()) {
+    module.attr("forward") = forward;
+  } else {
+    ara.attr("org_forward") = forward;
+  }
+}
+
+py::dict stats() {
+  std::uint64_t fetches = 0, copies = 0, bytes_h2d = 0, reuse = 0, downloads = 0, bytes_d2h = 0;
+  std::size_t pinned = 0, held = 0, requested = 0, ring = 0, states = 0;
+  py::list devices;
+  for (const auto& state : DeviceState::live()) {
+    const StateStats s = state->stats();
+    fetches += s.engine.fetches;
+    copies += s.engine.copies_h2d;
+    bytes_h2d += s.engine.bytes_h2d;
+    reuse += s.engine.reuse_hits;
+    downloads += s.engine.downloads;
+    bytes_d2h += s.engine.bytes_d2h;
+    pinned += s.engine.arena.bytes_pinned;
+    held += s.engine.arena.bytes_held;
+    requested += s.engine.arena.bytes_requested;
+    ring += s.engine.ring_capacity;
+    ++states;
+    devices.append(state->describe());
+  }
+  py::dict d;
+  d["fetches"] = fetches;
+  d["copies_h2d"] = copies;
+  d["bytes_h2d"] = bytes_h2d;
+  d["reuse_hits"] = reuse;
+  d["downloads"] = downloads;
+  d["bytes_d2h"] = bytes_d2h;
+  d["pinned_bytes"] = pinned;
+  d["host_bytes_held"] = held;
+  d["host_bytes_requested"] = requested;
+  d["ring_bytes"] = ring;
+  d["device_states"] = states;
+  d["devices"] = devices;
+  return d;
+}
+
+void check_torch_version() {
+  const std::string running = torch_module().attr("__version__").cast<std::string>();
+  const std::string built = LAYERSTREAM_TORCH_BUILT_WITH;
+  if (running != built) {
+    throw py::import_error("layerstream.manager_modules was built against torch " + built +
+                           " but this process runs torch " + running +
+                           "; rebuild it in this environment: pip install --no-build-isolation --force-reinstall "
+                           "layerstream (from its source directory)");
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(manager_modules, m) {
+  check_torch_version();
+  m.doc() = "layerstream's drop-in replacement for AI-Toolkit's toolkit/memory_management/manager_modules.py";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
+
+  py::class_<LayerManager>(m, "BaseLayerMemoryManager", py::dynamic_attr())
+      .def(py::init<>())
+      .def_readonly("path", &LayerManager::path, "How calls run: streamed, cpu, generic or ostris.")
+      .def_property_readonly("packed_bytes", [](const LayerManager& lm) -> std::size_t {
+        return lm.layer ? lm.layer->packed_bytes() : 0;
+      });
+  py::class_<LinearManager, LayerManager>(m, "LinearLayerMemoryManager", py::dynamic_attr())
+      .def(py::init<>())
+      .def_static("attach", [](const py::object& module, const py::object& manager) {
+        attach(module, manager, Which::kLinear);
+      }, py::arg("module"), py::arg("manager"));
+  py::class_<ConvManager, LayerManager>(m, "ConvLayerMemoryManager", py::dynamic_attr())
+      .def(py::init<>())
+      .def_static("attach", [](const py::object& module, const py::object& manager) {
+        attach(module, manager, Which::kConv);
+      }, py::arg("module"), py::arg("manager"));
+  py::class_<OstrisManager, LayerManager>(m, "OstrisLinearLayerMemoryManager", py::dynamic_attr())
+      .def(py::init<>())
+      .def_static("attach", [](const py::object& module, const py::object& manager) {
+        attach(module, manager, Which::kOstris);
+      }, py::arg("module"), py::arg("manager"));
+
+  py::class_<DeviceStateHandle>(m, "DeviceState")
+      .def_property_readonly("description", [](const DeviceStateHandle& h) { return h.state->describe(); })
+      .def("__repr__", [](const DeviceStateHandle& h) { return "<layerstream DeviceState " + h.state->describe() + ">"; });
+
+  class_of(Which::kLinear) = m.attr("LinearLayerMemoryManager");
+  class_of(Which::kConv) = m.attr("ConvLayerMemoryManager");
+  class_of(Which::kOstris) = m.attr("OstrisLinearLayerMemoryManager");
+
+  m.attr("_DEVICE_STATE") = device_state_dict();
+  m.def("sync_grad_transfers", [] {
+    auto states = DeviceState::live();
+    py::gil_scoped_release nogil;
+    for (const auto& s : states) s->sync_downloads();
+  }, "Joins every pending device-to-host gradient copy (call before reading .grad or stepping).");
+  m.def("stats", &stats, "Totals over every live device state: bytes moved, reuse, host memory.");
+  m.def("live_device_states", [] { return DeviceState::live().size(); },
+        "How many device states are alive (each holds streams, events and a ring).");
+  m.attr("__torch_version__") = LAYERSTREAM_TORCH_BUILT_WITH;
+}
