@@ -3,10 +3,12 @@
 # on the CUDA backend (plain and under compute-sanitizer), builds and installs the Python package, runs the
 # pytest suite and the demo on the device. Logs: $OUT/summary.txt and $OUT/all.log (default OUT:
 # build/gpu-logs).
-# Usage: OUT=/some/dir benchmarks/gpu_check.sh
+# Usage: OUT=/some/dir benchmarks/gpu_check.sh [all|tests|bench]   (one lent-machine call has 10 minutes:
+# run `tests` and `bench` as two calls there)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-build/gpu-logs}"
+WHAT="${1:-all}"
 mkdir -p "$OUT"
 status=0
 # Every step's output goes to $OUT/all.log under a header (few files come back from a lent machine);
@@ -40,6 +42,19 @@ GTEST_ARGS=()
 if [[ ! -e /usr/include/gtest/gtest.h && -d .gtest/googletest ]]; then
   GTEST_ARGS=(-DLAYERSTREAM_GTEST_SOURCE="$PWD/.gtest/googletest")
 fi
+# Optional extras travel as wheels (.whl, git-ignored) and AI-Toolkit's memory_management as .aitk/<commit>
+# (git-ignored, never committed): see docs/benchmarks.md for how to prepare both.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && rm -rf /tmp/site/test /tmp/site/bin && export PYTHONPATH=/tmp/site
+fi
+if compgen -G ".aitk/*" >/dev/null; then
+  AI_TOOLKIT_DIR=$(ls -d "$PWD"/.aitk/* | paste -sd:)
+  export AI_TOOLKIT_DIR
+fi
+export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90"
+
+if [[ $WHAT != bench ]]; then
 step "build core tests (sm_90)"
 run configure cmake -S . -B build/gpu -G Ninja -DLAYERSTREAM_BUILD_TESTS=ON -DLAYERSTREAM_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=RelWithDebInfo "${GTEST_ARGS[@]}"
@@ -55,12 +70,23 @@ run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 \
   build/gpu/tests/cpp/layerstream_core_tests --gtest_filter='*/cuda:-*Oversized*'
 
 step "python package"
-export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90"
 run pip_install python3 -m pip install --no-build-isolation --no-deps -v .
-run pytest bash -c 'cd /tmp && python3 -X faulthandler -m pytest -v -rs '"$PWD"'/tests/python'
+run pytest bash -c 'cd /tmp && python3 -X faulthandler -m pytest -q -rs '"$PWD"'/tests/python'
+# The equality suite on the GPU under the sanitizers (cuda cases only).
+for tool in memcheck racecheck; do
+  run "pytest_$tool" bash -c 'cd /tmp && compute-sanitizer --tool '"$tool"' --error-exitcode 1 --target-processes all \
+    python3 -m pytest -q -x -k "cuda and (bitwise or accumulate)" '"$PWD"'/tests/python/test_manager_contract.py'
+done
 run demo_cuda layerstream demo --backend cuda
 run demo_cuda_large layerstream demo --backend cuda --hidden 3072 --blocks 4 --steps 3 --no-verify
-run demo_sim layerstream demo --backend sim
+fi
+
+if [[ $WHAT != tests && -n "${AI_TOOLKIT_DIR:-}" ]]; then
+  python3 -c 'import layerstream.manager_modules' 2>/dev/null || run pip_install python3 -m pip install --no-build-isolation --no-deps .
+  step "benchmark: FLUX.1-shaped, LoRA rank 128, checkpointing, 100% offloaded"
+  run flux_bench python3 benchmarks/flux_bench.py --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --mode all \
+    --aitk-dir "${AI_TOOLKIT_DIR%%:*}" --md-out "$OUT/flux_bench.md" --json-out "$OUT/flux_bench.json"
+fi
 
 cat "$OUT/summary.txt"
 exit $status

@@ -310,7 +310,7 @@ void attach(const py::object& module, const py::object& manager, Which which) {
 
 py::dict stats() {
   std::uint64_t fetches = 0, copies = 0, bytes_h2d = 0, reuse = 0, downloads = 0, bytes_d2h = 0;
-  std::size_t pinned = 0, held = 0, requested = 0, ring = 0, states = 0;
+  std::size_t pinned = 0, held = 0, requested = 0, ring = 0, states = 0, leases = 0;
   py::list devices;
   for (const auto& state : DeviceState::live()) {
     const StateStats s = state->stats();
@@ -324,6 +324,7 @@ py::dict stats() {
     held += s.engine.arena.bytes_held;
     requested += s.engine.arena.bytes_requested;
     ring += s.engine.ring_capacity;
+    leases += s.engine.leases_outstanding;
     ++states;
     devices.append(state->describe());
   }
@@ -338,6 +339,7 @@ py::dict stats() {
   d["host_bytes_held"] = held;
   d["host_bytes_requested"] = requested;
   d["ring_bytes"] = ring;
+  d["leases_outstanding"] = leases;
   d["device_states"] = states;
   d["devices"] = devices;
   return d;

@@ -36,8 +36,10 @@ c10::intrusive_ptr<StreamedLayer> layer_of(AutogradContext* ctx) {
 }
 
 struct StreamedFn : public torch::autograd::Function<StreamedFn> {
+  // `bias` is optional: an undefined Tensor would be taken for a variable input.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const at::Tensor& bias, c10::intrusive_ptr<StreamedLayer> layer) {
+                            const std::optional<at::Tensor>& bias_opt, c10::intrusive_ptr<StreamedLayer> layer) {
+    const at::Tensor bias = bias_opt.has_value() ? *bias_opt : at::Tensor();
     at::Tensor out = layer->compute_forward(x);
     // Upstream autograd of linear saves the input only when the weight needs a gradient; convolution
     // always saves it (its backward needs it for the input gradient's shape and algorithm choice).
@@ -54,8 +56,9 @@ struct StreamedFn : public torch::autograd::Function<StreamedFn> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
+    // Without a bias there are only two input edges.
     const std::array<bool, 3> needs{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
-                                    ctx->needs_input_grad(2)};
+                                    saved[2].defined() && ctx->needs_input_grad(2)};
     auto result = layer_of(ctx)->compute_backward(
         grads[0], saved[0], ctx->saved_data["x_sizes"].toIntVector(),
         ctx->saved_data["x_col_major"].toBool(), ctx->saved_data["x_fused"].toBool(), saved[1],
@@ -215,7 +218,8 @@ at::Tensor StreamedLayer::forward(const at::Tensor& x, const at::Tensor& weight,
                                       conv_.stride, conv_.padding, conv_.dilation, conv_.groups);
     return out.to(x.device());
   }
-  return StreamedFn::apply(x, weight, bias, c10::intrusive_ptr<StreamedLayer>::reclaim_copy(this));
+  const std::optional<at::Tensor> bias_opt = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
+  return StreamedFn::apply(x, weight, bias_opt, c10::intrusive_ptr<StreamedLayer>::reclaim_copy(this));
 }
 
 at::Tensor StreamedLayer::compute_forward(const at::Tensor& x) {

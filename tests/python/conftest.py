@@ -1,0 +1,54 @@
+"""Fixtures shared by the manager_modules tests.
+
+``engine`` runs a test once per engine mode available here:
+  * ``cpu``  - a CPU process device, computed on the CPU as upstream does (always);
+  * ``sim``  - the same autograd functions driven through the transfer engine on the simulator (always);
+  * ``cuda`` - the real thing (only where a GPU and a CUDA build exist; skipped with the reason).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+from layerstream import manager_modules as mm
+
+
+def _cuda_skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    return None
+
+
+def _clear_states():
+    for key in list(mm._DEVICE_STATE):
+        del mm._DEVICE_STATE[key]
+    gc.collect()
+
+
+@pytest.fixture(params=["cpu", "sim", "cuda"])
+def engine(request, monkeypatch):
+    mode = request.param
+    if mode == "cuda":
+        reason = _cuda_skip_reason()
+        if reason:
+            pytest.skip(reason)
+    monkeypatch.setenv("LAYERSTREAM_BACKEND", "sim" if mode == "sim" else "cpu")
+    _clear_states()
+    yield mode
+    mm.sync_grad_transfers()
+    _clear_states()
+
+
+@pytest.fixture
+def device(engine):
+    return torch.device("cuda") if engine == "cuda" else torch.device("cpu")
+
+
+def aitk_dirs() -> list[str]:
+    """AI_TOOLKIT_DIR may name one checkout, or several separated by os.pathsep."""
+    value = os.environ.get("AI_TOOLKIT_DIR", "")
+    return [p for p in value.split(os.pathsep) if p]

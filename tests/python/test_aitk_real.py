@@ -1,0 +1,103 @@
+"""Against AI-Toolkit's own manager.py (HEAD 27a03a91 and 323b4aaf), loaded from the checkout(s) named by
+AI_TOOLKIT_DIR, with layerstream's manager_modules in place of the stock file. Skipped without it."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from conftest import aitk_dirs
+from layerstream import manager_modules as mm
+from layerstream.aitk import load_memory_management
+from models import TinyTransformer, apply_lora
+
+DIRS = aitk_dirs()
+pytestmark = pytest.mark.skipif(
+    not DIRS, reason="AI_TOOLKIT_DIR is not set (point it at one or more AI-Toolkit checkouts, os.pathsep-separated)"
+)
+
+
+def _train(model, loras, device, steps, sync):
+    opt = torch.optim.AdamW([p for lo in loras for p in lo.parameters()], lr=1e-2)
+    g = torch.Generator().manual_seed(7)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(2, 6, 64, generator=g).to(device)
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        sync()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("aitk_dir", DIRS)
+@pytest.mark.parametrize("checkpointing", [None, "non_reentrant"])
+def test_real_manager_trains_lora_bitwise_like_resident(engine, device, aitk_dir, checkpointing):
+    package = load_memory_management(aitk_dir, engine="layerstream")
+    torch.manual_seed(11)
+    base = TinyTransformer(checkpointing=checkpointing).requires_grad_(False)
+    resident = copy.deepcopy(base).to(device)
+    managed = copy.deepcopy(base)
+    random.seed(0)
+    package.MemoryManager.attach(managed, device, offload_percent=1.0)
+    managed.to(device)  # manager.py's patched .to: only unmanaged modules move
+    linears = [m for m in managed.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(hasattr(m, "_layer_memory_manager") for m in linears)
+    assert all(m.weight.device.type == "cpu" for m in linears)
+    ref_loras = [lo.to(device) for lo in apply_lora(resident)]
+    loras = [lo.to(device) for lo in apply_lora(managed)]
+    sync = getattr(package, "sync_grad_transfers", lambda: None)
+    steps = 10 if engine == "cuda" else 3
+    assert _train(managed, loras, device, steps, sync) == _train(resident, ref_loras, device, steps, lambda: None)
+    for a, b in zip(ref_loras, loras):
+        assert torch.equal(a.up, b.up) and torch.equal(a.down, b.down)
+
+    if hasattr(package.MemoryManager, "detach"):  # HEAD only
+        package.MemoryManager.detach(managed)
+        assert not any(hasattr(m, "_layer_memory_manager") for m in managed.modules())
+        assert not any(k.type == "cuda" for k in map(torch.device, mm._DEVICE_STATE))
+        out = managed.to(device)(torch.randn(1, 3, 64, device=device))  # a plain model again
+        assert out.shape == (1, 3, 64)
+
+
+@pytest.mark.parametrize("aitk_dir", DIRS)
+def test_real_manager_free_releases_layerstream_memory(engine, device, aitk_dir):
+    package = load_memory_management(aitk_dir, engine="layerstream")
+    if not hasattr(package.MemoryManager, "free"):
+        pytest.skip(f"{aitk_dir}: this AI-Toolkit version has no MemoryManager.free")
+    if engine == "cpu":
+        pytest.skip("the CPU mode keeps no engine")
+    model = TinyTransformer(layers=2).requires_grad_(False)
+    before = mm.stats()["host_bytes_requested"]
+    package.MemoryManager.attach(model, device)
+    model.to(device)
+    with torch.no_grad():
+        model(torch.randn(1, 3, 64, device=device))
+    assert mm.stats()["host_bytes_requested"] > before
+    package.MemoryManager.free(model)
+    for key in list(mm._DEVICE_STATE):  # free() drops the cuda keys; drop the cpu one too
+        del mm._DEVICE_STATE[key]
+    package.MemoryManager.release_cached_memory()
+    assert mm.stats()["host_bytes_requested"] == before
+    assert mm.live_device_states() == 0
+
+
+@pytest.mark.parametrize("aitk_dir", DIRS)
+def test_stock_and_layerstream_agree_on_the_same_checkout(device, engine, aitk_dir):
+    if engine != "cuda" and engine != "cpu":
+        pytest.skip("one comparison per device is enough")
+    outputs = []
+    for which in ("stock", "layerstream"):
+        package = load_memory_management(aitk_dir, engine=which)
+        torch.manual_seed(12)
+        model = TinyTransformer(layers=2).requires_grad_(False)
+        package.MemoryManager.attach(model, device)
+        model.to(device)
+        with torch.no_grad():
+            outputs.append(model(torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1)).to(device)))
+    assert torch.equal(outputs[0], outputs[1])

@@ -1,0 +1,360 @@
+"""manager_modules against the AI-Toolkit contract: attributes, forwarding rules, bitwise equality with
+the all-resident layer for outputs and gradients, weight replacement, detach/free and memory return."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import subprocess
+import sys
+import weakref
+
+import pytest
+import torch
+
+from layerstream import manager_modules as mm
+from contract_driver import ContractManager
+from models import TinyTransformer, apply_lora
+
+
+class Manager:
+    """The two attributes layer managers read from AI-Toolkit's MemoryManager."""
+
+    def __init__(self, device):
+        self.process_device = torch.device(device)
+
+
+def managed_copy(layer, device, cls=None):
+    clone = copy.deepcopy(layer)
+    (cls or (mm.ConvLayerMemoryManager if isinstance(layer, torch.nn.Conv2d) else mm.LinearLayerMemoryManager)).attach(
+        clone, Manager(device))
+    return clone
+
+
+# ---- attributes -----------------------------------------------------------------------------------------
+
+def test_attach_sets_every_contract_attribute(engine, device):
+    layer = torch.nn.Linear(16, 8)
+    original = layer.forward
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    lmm = layer._layer_memory_manager
+    assert lmm._original_forward == original
+    assert lmm.module is layer
+    assert layer._memory_management_device == device
+    assert all(p._is_memory_managed for p in layer.parameters())
+    assert "forward" in layer.__dict__  # instance attribute, as upstream
+    assert layer.weight.device.type == "cpu" and layer.bias.device.type == "cpu"
+    assert layer.weight.is_pinned() == (engine == "cuda")  # tells the truth
+    assert lmm.path == ("cpu" if engine == "cpu" else "streamed")
+    assert device in mm._DEVICE_STATE
+
+
+def test_second_attach_is_a_no_op(engine, device):
+    layer = torch.nn.Linear(16, 8)
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    first, forward = layer._layer_memory_manager, layer.forward
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    assert layer._layer_memory_manager is first
+    assert layer.forward is forward
+
+
+def test_extra_arguments_go_to_the_original_forward(engine, device):
+    if engine == "cuda":
+        pytest.skip("upstream runs the original forward with host weights: only meaningful on a CPU device")
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, x, scale=1.0):
+            return super().forward(x) * scale
+
+    layer = Scaled(8, 4)
+    ref = copy.deepcopy(layer)
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    x = torch.randn(2, 8)
+    assert torch.equal(layer(x, 3.0), ref(x, 3.0))
+    assert torch.equal(layer(x, scale=2.0), ref(x, scale=2.0))
+    assert torch.equal(layer(x), ref(x))
+
+
+def test_ara_adapter_org_forward_is_replaced_not_the_layer_forward(engine, device):
+    layer = torch.nn.Linear(8, 4)
+
+    class Adapter:
+        def __init__(self, org):
+            self.org_forward = org.forward
+
+    adapter = Adapter(layer)
+    layer.ara_lora_ref = weakref.ref(adapter)
+    layer_forward = layer.forward
+    original = adapter.org_forward
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    assert layer.forward == layer_forward  # untouched
+    assert layer._layer_memory_manager._original_forward == original
+    assert adapter.org_forward is not original
+    x = torch.randn(3, 8, device=device)
+    ref = torch.nn.functional.linear(x, layer.weight.to(device), layer.bias.to(device))
+    assert torch.equal(adapter.org_forward(x), ref)
+
+
+# ---- bitwise equality -----------------------------------------------------------------------------------
+
+LINEAR_CASES = [
+    # (input shape, in, out, bias, make x non-contiguous)
+    ((5, 16), 16, 24, True, False),
+    ((2, 7, 16), 16, 24, True, False),
+    ((2, 7, 16), 16, 24, True, True),
+    ((3, 2, 5, 16), 16, 8, False, False),
+    ((4, 16), 16, 4, False, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", LINEAR_CASES, ids=lambda c: f"x{c[0]}-b{int(c[3])}-nc{int(c[4])}")
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
+def test_linear_outputs_and_gradients_are_bitwise_equal(engine, device, dtype, case, trainable):
+    shape, fin, fout, bias, noncontig = case
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(fin, fout, bias=bias).to(dtype)
+    ref.requires_grad_(trainable)
+    layer = managed_copy(ref, device)
+    ref = ref.to(device)
+    if noncontig:  # every other column of a wider tensor: a strided, non-contiguous input
+        base = torch.randn(*shape[:-1], 2 * fin, dtype=dtype, device=device)
+        x1, x2 = base.clone()[..., ::2], base.clone()[..., ::2]
+        assert not x1.is_contiguous()
+    else:
+        x = torch.randn(*shape, dtype=dtype, device=device)
+        x1, x2 = x.clone(), x.clone()
+    x1.requires_grad_(True)
+    x2.requires_grad_(True)
+    out_ref, out = ref(x1), layer(x2)
+    assert torch.equal(out_ref, out)
+    grad = torch.randn_like(out_ref)
+    out_ref.backward(grad)
+    out.backward(grad)
+    mm.sync_grad_transfers()
+    assert torch.equal(x1.grad, x2.grad)
+    if trainable:
+        assert layer.weight.grad.device.type == "cpu"
+        assert torch.equal(ref.weight.grad.cpu(), layer.weight.grad)
+        if bias:
+            assert torch.equal(ref.bias.grad.cpu(), layer.bias.grad)
+    else:
+        assert layer.weight.grad is None
+
+
+CONV_CASES = [
+    dict(cin=4, cout=8, k=3, stride=1, padding=1, dilation=1, groups=1, bias=True),
+    dict(cin=4, cout=8, k=3, stride=2, padding=0, dilation=2, groups=2, bias=False),
+    dict(cin=6, cout=6, k=1, stride=1, padding=0, dilation=1, groups=3, bias=True),
+    dict(cin=3, cout=5, k=(3, 1), stride=(2, 1), padding=(1, 0), dilation=1, groups=1, bias=True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"k{c['k']}s{c['stride']}g{c['groups']}")
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
+def test_conv2d_outputs_and_gradients_are_bitwise_equal(engine, device, dtype, case, trainable):
+    torch.manual_seed(1)
+    ref = torch.nn.Conv2d(case["cin"], case["cout"], case["k"], stride=case["stride"], padding=case["padding"],
+                          dilation=case["dilation"], groups=case["groups"], bias=case["bias"]).to(dtype)
+    ref.requires_grad_(trainable)
+    layer = managed_copy(ref, device)
+    ref = ref.to(device)
+    x = torch.randn(2, case["cin"], 11, 9, dtype=dtype, device=device)
+    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    out_ref, out = ref(x1), layer(x2)
+    assert torch.equal(out_ref, out)
+    grad = torch.randn_like(out_ref)
+    out_ref.backward(grad)
+    out.backward(grad)
+    mm.sync_grad_transfers()
+    assert torch.equal(x1.grad, x2.grad)
+    if trainable:
+        assert torch.equal(ref.weight.grad.cpu(), layer.weight.grad)
+        if case["bias"]:
+            assert torch.equal(ref.bias.grad.cpu(), layer.bias.grad)
+
+
+def test_gradients_accumulate_across_backward_passes(engine, device):
+    torch.manual_seed(2)
+    ref = torch.nn.Linear(12, 6)
+    layer = managed_copy(ref, device)
+    ref = ref.to(device)
+    for step in range(3):  # no sync between passes: the second pass must join the first copy
+        x = torch.randn(4, 12, device=device)
+        ref(x).pow(2).sum().backward()
+        layer(x).pow(2).sum().backward()
+    mm.sync_grad_transfers()
+    assert torch.equal(ref.weight.grad.cpu(), layer.weight.grad)
+    assert torch.equal(ref.bias.grad.cpu(), layer.bias.grad)
+
+
+# ---- weights that change -----------------------------------------------------------------------------
+
+def test_replaced_or_modified_weights_are_never_served_stale(engine, device):
+    torch.manual_seed(3)
+    layer = managed_copy(torch.nn.Linear(8, 8), device)
+    x = torch.randn(2, 8, device=device)
+
+    def expected():
+        return torch.nn.functional.linear(x, layer.weight.to(device), layer.bias.to(device))
+
+    assert torch.equal(layer(x), expected())
+    layer.weight = torch.nn.Parameter(torch.randn(8, 8))  # a new Parameter
+    assert torch.equal(layer(x), expected())
+    layer.weight.data = torch.randn(8, 8)  # data swapped
+    assert torch.equal(layer(x), expected())
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # modified in place (an optimizer step)
+        layer.bias.add_(1.0)
+    assert torch.equal(layer(x), expected())
+    assert layer.weight.device.type == "cpu"
+    assert layer.weight.is_pinned() == (engine == "cuda")  # re-packed into the arena
+
+
+# ---- training end to end ----------------------------------------------------------------------------
+
+def _train(model, loras, device, steps, x_seed=10):
+    opt = torch.optim.AdamW([p for lo in loras for p in lo.parameters()], lr=1e-2)
+    g = torch.Generator().manual_seed(x_seed)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(2, 6, 64, generator=g).to(device)
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        mm.sync_grad_transfers()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("checkpointing", [None, "reentrant", "non_reentrant"])
+def test_lora_training_is_bitwise_identical_to_all_resident(engine, device, checkpointing):
+    steps = 20 if engine == "cuda" else 4
+    torch.manual_seed(4)
+    base = TinyTransformer(checkpointing=checkpointing).requires_grad_(False)
+    resident = copy.deepcopy(base).to(device)
+    managed = copy.deepcopy(base)
+    driver = ContractManager.attach(mm, managed, device)
+    driver.to_device()
+    ref_loras = [lo.to(device) for lo in apply_lora(resident)]
+    loras = [lo.to(device) for lo in apply_lora(managed)]
+    ref_losses = _train(resident, ref_loras, device, steps)
+    losses = _train(managed, loras, device, steps)
+    assert losses == ref_losses
+    for a, b in zip(ref_loras, loras):
+        assert torch.equal(a.down, b.down) and torch.equal(a.up, b.up)
+    if engine != "cpu":
+        stats = mm.stats()
+        assert stats["reuse_hits"] > 0 if checkpointing else True
+        assert stats["leases_outstanding"] == 0
+
+
+def test_full_finetune_of_managed_weights_matches_resident(engine, device):
+    torch.manual_seed(5)
+    base = TinyTransformer(layers=2)
+    resident = copy.deepcopy(base).to(device)
+    managed = copy.deepcopy(base)
+    ContractManager.attach(mm, managed, device).to_device()
+    opt_ref = torch.optim.SGD(resident.parameters(), lr=0.1)
+    opt = torch.optim.SGD(managed.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(2, 6, 64, generator=g).to(device)
+        for model, o in ((resident, opt_ref), (managed, opt)):
+            o.zero_grad(set_to_none=True)
+            model(x).pow(2).mean().backward()
+        mm.sync_grad_transfers()
+        opt_ref.step()
+        opt.step()
+    for (n, a), (_, b) in zip(resident.named_parameters(), managed.named_parameters()):
+        assert torch.equal(a.cpu(), b.cpu()), n
+
+
+# ---- detach, free, memory return --------------------------------------------------------------------
+
+def test_detach_restores_forwards_and_unpins(engine, device):
+    model = TinyTransformer(layers=1)
+    forwards = {n: m.forward for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    driver = ContractManager.attach(mm, model, device)
+    driver.detach()
+    for n, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            assert m.forward == forwards[n]
+            assert not hasattr(m, "_layer_memory_manager")
+            assert not m.weight.is_pinned()
+    x = torch.randn(1, 3, 64)
+    model(x)  # plain forward works again
+
+
+def test_free_returns_host_memory_and_the_device_state(engine, device):
+    if engine == "cpu":
+        pytest.skip("the CPU mode keeps no engine; the host arena is covered by the sim mode")
+    gc.collect()
+    before = mm.stats()["host_bytes_held"]
+    model = TinyTransformer(layers=2)
+    driver = ContractManager.attach(mm, model, device)
+    driver.to_device()
+    model(torch.randn(1, 3, 64, device=device)).sum().backward()
+    assert mm.stats()["host_bytes_held"] > before
+    driver.free()
+    for key in list(mm._DEVICE_STATE):  # what manager.py does for cuda keys, done for every key here
+        del mm._DEVICE_STATE[key]
+    gc.collect()
+    assert mm.stats()["host_bytes_held"] == 0
+    assert mm.live_device_states() == 0
+
+
+def test_two_models_one_device_then_free_the_text_encoder(engine, device):
+    torch.manual_seed(6)
+    base = TinyTransformer(layers=2)
+    resident = copy.deepcopy(base).requires_grad_(False).to(device)
+    trainer = copy.deepcopy(base).requires_grad_(False)
+    encoder = TinyTransformer(layers=2).requires_grad_(False)
+    ContractManager.attach(mm, trainer, device).to_device()
+    held_trainer_only = mm.stats()["host_bytes_requested"]
+    enc_driver = ContractManager.attach(mm, encoder, device)
+    enc_driver.to_device()
+    ref_loras = [lo.to(device) for lo in apply_lora(resident)]
+    loras = [lo.to(device) for lo in apply_lora(trainer)]
+    with torch.no_grad():
+        cond = encoder(torch.randn(1, 6, 64).to(device))
+    enc_driver.free()
+    del encoder
+    gc.collect()
+    assert mm.stats()["host_bytes_requested"] == held_trainer_only  # the encoder's bytes are returned
+    losses_ref = _train(resident, ref_loras, device, 3)
+    losses = _train(trainer, loras, device, 3)
+    assert losses == losses_ref
+    assert cond.shape == (1, 6, 64)
+
+
+# ---- errors -----------------------------------------------------------------------------------------
+
+def test_bad_input_raises_and_the_layer_keeps_working(engine, device):
+    layer = managed_copy(torch.nn.Linear(8, 4), device)
+    with pytest.raises(RuntimeError):
+        layer(torch.randn(3, 7, device=device))  # wrong feature size: torch's own error
+    assert mm.stats()["leases_outstanding"] == 0  # nothing left held
+    assert layer(torch.randn(3, 8, device=device)).shape == (3, 4)
+
+
+def test_bad_backend_setting_is_a_value_error(monkeypatch):
+    for key in list(mm._DEVICE_STATE):
+        del mm._DEVICE_STATE[key]
+    monkeypatch.setenv("LAYERSTREAM_BACKEND", "gpu-please")
+    with pytest.raises(ValueError, match="LAYERSTREAM_BACKEND"):
+        mm.LinearLayerMemoryManager.attach(torch.nn.Linear(2, 2), Manager("cpu"))
+
+
+def test_import_refuses_a_different_torch(tmp_path):
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("__version__ = '0.0.1'\n")
+    code = "import layerstream.manager_modules"
+    env_path = f"{tmp_path}"
+    result = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {env_path!r}); {code}"],
+                            capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "built against torch" in result.stderr and "0.0.1" in result.stderr
