@@ -164,7 +164,10 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
 StreamHandle DeviceState::consumer_stream() {
 #ifdef LAYERSTREAM_TORCH_CUDA
   if (mode_ == Mode::kCuda) {
-    return StreamHandle{c10::cuda::getCurrentCUDAStream(device_.index()).stream()};
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
+    // torch's default stream is the legacy default stream, whose handle is 0; name it explicitly so
+    // that it is a valid, non-null handle for the core.
+    return StreamHandle{stream != nullptr ? stream : cudaStreamLegacy};
   }
 #endif
   LS_CHECK(mode_ == Mode::kSim, "internal: no consumer stream on a CPU process device");

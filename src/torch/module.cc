@@ -308,6 +308,24 @@ void attach(const py::object& module, const py::object& manager, Which which) {
   }
 }
 
+py::dict state_stats(DeviceState& state) {
+  const StateStats s = state.stats();
+  py::dict d;
+  d["fetches"] = s.engine.fetches;
+  d["copies_h2d"] = s.engine.copies_h2d;
+  d["bytes_h2d"] = s.engine.bytes_h2d;
+  d["reuse_hits"] = s.engine.reuse_hits;
+  d["downloads"] = s.engine.downloads;
+  d["bytes_d2h"] = s.engine.bytes_d2h;
+  d["pinned_bytes"] = s.engine.arena.bytes_pinned;
+  d["host_bytes_held"] = s.engine.arena.bytes_held;
+  d["host_bytes_requested"] = s.engine.arena.bytes_requested;
+  d["ring_bytes"] = s.engine.ring_capacity;
+  d["leases_outstanding"] = s.engine.leases_outstanding;
+  d["engines_built"] = s.engines_built;
+  return d;
+}
+
 py::dict stats() {
   std::uint64_t fetches = 0, copies = 0, bytes_h2d = 0, reuse = 0, downloads = 0, bytes_d2h = 0;
   std::size_t pinned = 0, held = 0, requested = 0, ring = 0, states = 0, leases = 0;
@@ -396,6 +414,8 @@ PYBIND11_MODULE(manager_modules, m) {
 
   py::class_<DeviceStateHandle>(m, "DeviceState")
       .def_property_readonly("description", [](const DeviceStateHandle& h) { return h.state->describe(); })
+      .def("stats", [](DeviceStateHandle& h) { return state_stats(*h.state); },
+           "This device's counters: bytes moved, reuse, host memory, leases outstanding.")
       .def("__repr__", [](const DeviceStateHandle& h) { return "<layerstream DeviceState " + h.state->describe() + ">"; });
 
   class_of(Which::kLinear) = m.attr("LinearLayerMemoryManager");

@@ -181,22 +181,22 @@ TransferEngine& StreamedLayer::registered_engine() {
 template <typename Fn>
 auto StreamedLayer::with_device_weights(Fn&& fn) {
   TransferEngine& engine = registered_engine();
-  const Lease lease = engine.fetch(id_);
   const StreamHandle consumer = state_->consumer_stream();
+  const Lease lease = engine.fetch(id_);
   const bool on_host = state_->mode() == Mode::kSim;
-  if (on_host) {
-    engine.wait_ready_host(lease);
-    state_->backend().annotate_host_access(lease.data, lease.bytes, false);
-  } else {
-    engine.wait_ready(lease, consumer);
-  }
   const at::Device where = on_host ? at::Device(at::kCPU) : state_->device();
   auto view = [&](const Packed& p) {
     if (!p.defined) return at::Tensor();
     return at::from_blob(static_cast<char*>(lease.data) + p.offset, p.sizes,
                          at::TensorOptions().dtype(p.dtype).device(where));
   };
-  try {
+  try {  // from here on, every exit releases the lease
+    if (on_host) {
+      engine.wait_ready_host(lease);
+      state_->backend().annotate_host_access(lease.data, lease.bytes, false);
+    } else {
+      engine.wait_ready(lease, consumer);
+    }
     auto result = fn(view(weight_), view(bias_));
     engine.release(lease, consumer);  // after every kernel that reads the region was enqueued
     return result;

@@ -246,8 +246,9 @@ def test_lora_training_is_bitwise_identical_to_all_resident(engine, device, chec
     for a, b in zip(ref_loras, loras):
         assert torch.equal(a.down, b.down) and torch.equal(a.up, b.up)
     if engine != "cpu":
-        stats = mm.stats()
-        assert stats["reuse_hits"] > 0 if checkpointing else True
+        stats = mm._DEVICE_STATE[device].stats()
+        if checkpointing:  # the recomputed forward and the backward of a block find its layers in the ring
+            assert stats["reuse_hits"] > 0
         assert stats["leases_outstanding"] == 0
 
 
@@ -313,7 +314,8 @@ def test_two_models_one_device_then_free_the_text_encoder(engine, device):
     trainer = copy.deepcopy(base).requires_grad_(False)
     encoder = TinyTransformer(layers=2).requires_grad_(False)
     ContractManager.attach(mm, trainer, device).to_device()
-    held_trainer_only = mm.stats()["host_bytes_requested"]
+    state = mm._DEVICE_STATE[device]  # this device's own counters: other tests' leftovers do not count
+    held_trainer_only = state.stats()["host_bytes_requested"]
     enc_driver = ContractManager.attach(mm, encoder, device)
     enc_driver.to_device()
     ref_loras = [lo.to(device) for lo in apply_lora(resident)]
@@ -323,7 +325,7 @@ def test_two_models_one_device_then_free_the_text_encoder(engine, device):
     enc_driver.free()
     del encoder
     gc.collect()
-    assert mm.stats()["host_bytes_requested"] == held_trainer_only  # the encoder's bytes are returned
+    assert state.stats()["host_bytes_requested"] == held_trainer_only  # the encoder's bytes are returned
     losses_ref = _train(resident, ref_loras, device, 3)
     losses = _train(trainer, loras, device, 3)
     assert losses == losses_ref
@@ -336,7 +338,7 @@ def test_bad_input_raises_and_the_layer_keeps_working(engine, device):
     layer = managed_copy(torch.nn.Linear(8, 4), device)
     with pytest.raises(RuntimeError):
         layer(torch.randn(3, 7, device=device))  # wrong feature size: torch's own error
-    assert mm.stats()["leases_outstanding"] == 0  # nothing left held
+    assert mm._DEVICE_STATE[device].stats()["leases_outstanding"] == 0  # nothing left held
     assert layer(torch.randn(3, 8, device=device)).shape == (3, 4)
 
 

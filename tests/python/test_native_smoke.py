@@ -98,7 +98,8 @@ def test_demo_runs_on_sim_and_verifies_every_read(capsys):
     out = capsys.readouterr().out
     assert "verified: 96 layer reads byte-identical" in out
     assert "race checker: 0 unordered accesses" in out
-    assert "= 1.000x" in out  # host memory held equals the weights' bytes
+    ratio = float(out.split("of weights = ")[1].split("x")[0])
+    assert 1.0 <= ratio <= 1.03  # host memory held: the weights' bytes, plus under 3% of chunk tail
 
 
 def test_cli_entry_point_reports_errors_without_traceback():
