@@ -76,6 +76,13 @@ DeviceState::DeviceState(const c10::Device& device, Mode mode) : device_(device)
       SimOptions o;
       o.device = 0;
       o.device_capacity_bytes = std::size_t{64} << 30;  // the host's memory stands in for the device's
+      if (const char* faults = std::getenv("LAYERSTREAM_SIM_FAULTS"); faults != nullptr && *faults != '\0') {
+        // Tests: delay operations and scramble copies (the value seeds the injector).
+        o.seed = std::strtoull(faults, nullptr, 10);
+        o.delay_probability = 0.5;
+        o.max_delay_us = 200;
+        o.scramble_copies = true;
+      }
       pool_->backend = std::make_shared<SimBackend>(o);
       host_stream_ = Stream(*pool_->backend);
       break;
