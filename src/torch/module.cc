@@ -142,7 +142,7 @@ void move_params_to_cpu(const py::object& module) {
 }
 
 bool needs_dequantize(const py::object& w) {
-  if (torch_module().attr("is_quantized")(w).cast<bool>()) return true;
+  if (py::getattr(w, "is_quantized", py::bool_(false)).cast<bool>()) return true;
   const std::string mod = py::type::of(w).attr("__module__").cast<std::string>();
   if (mod.rfind("torchao", 0) == 0) return true;
   return !w.attr("dtype").attr("is_floating_point").cast<bool>();

@@ -53,11 +53,16 @@ def test_flux_transformer_forward_backward_bitwise(engine, device, dtype):
                 if b is not None:
                     m._buffers[name] = b.to(device)
     del driver
-    out_ref = resident(**_inputs(device, dtype))[0]
-    out = managed(**_inputs(device, dtype))[0]
-    assert torch.equal(out_ref, out)
-    out_ref.float().pow(2).mean().backward()
-    out.float().pow(2).mean().backward()
+    # Flash and memory-efficient attention have non-deterministic backward kernels on CUDA (atomics):
+    # two resident runs already differ. Compare under the deterministic math kernel.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        out_ref = resident(**_inputs(device, dtype))[0]
+        out = managed(**_inputs(device, dtype))[0]
+        assert torch.equal(out_ref, out)
+        out_ref.float().pow(2).mean().backward()
+        out.float().pow(2).mean().backward()
     mm.sync_grad_transfers()
     for (name, a), (_, b) in zip(resident.named_parameters(), managed.named_parameters()):
         assert torch.equal(a.grad.cpu(), b.grad.cpu()), name
