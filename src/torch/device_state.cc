@@ -168,6 +168,11 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
   return *engine_;
 }
 
+TransferEngine* DeviceState::current_engine() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return engine_.get();
+}
+
 StreamHandle DeviceState::consumer_stream() {
 #ifdef LAYERSTREAM_TORCH_CUDA
   if (mode_ == Mode::kCuda) {

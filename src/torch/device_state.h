@@ -73,6 +73,8 @@ class DeviceState {
   // The engine, built (or rebuilt larger) so that its ring holds a layer of `layer_bytes`. A rebuild
   // changes `generation()`: layers then register again.
   TransferEngine& engine_for(std::size_t layer_bytes);
+  // The engine as it is (nullptr before the first streamed call), never building one.
+  TransferEngine* current_engine();
   std::uint64_t generation() const { return generation_; }
 
   // The stream consumers release on: torch's current stream (CUDA) or the host's proxy stream (sim).

@@ -308,8 +308,7 @@ void attach(const py::object& module, const py::object& manager, Which which) {
   }
 }
 
-py::dict state_stats(DeviceState& state) {
-  const StateStats s = state.stats();
+py::dict stats_dict(const StateStats& s) {
   py::dict d;
   d["fetches"] = s.engine.fetches;
   d["copies_h2d"] = s.engine.copies_h2d;
@@ -327,40 +326,20 @@ py::dict state_stats(DeviceState& state) {
 }
 
 py::dict stats() {
-  std::uint64_t fetches = 0, copies = 0, bytes_h2d = 0, reuse = 0, downloads = 0, bytes_d2h = 0;
-  std::size_t pinned = 0, held = 0, requested = 0, ring = 0, states = 0, leases = 0;
+  // Every counter summed over the live device states, plus how many there are and which.
+  py::dict total = stats_dict(StateStats{});
   py::list devices;
   for (const auto& state : DeviceState::live()) {
-    const StateStats s = state->stats();
-    fetches += s.engine.fetches;
-    copies += s.engine.copies_h2d;
-    bytes_h2d += s.engine.bytes_h2d;
-    reuse += s.engine.reuse_hits;
-    downloads += s.engine.downloads;
-    bytes_d2h += s.engine.bytes_d2h;
-    pinned += s.engine.arena.bytes_pinned;
-    held += s.engine.arena.bytes_held;
-    requested += s.engine.arena.bytes_requested;
-    ring += s.engine.ring_capacity;
-    leases += s.engine.leases_outstanding;
-    ++states;
+    for (auto item : stats_dict(state->stats())) {
+      const std::string key = item.first.cast<std::string>();
+      const std::uint64_t value = item.second.cast<std::uint64_t>();
+      total[key.c_str()] = total[key.c_str()].cast<std::uint64_t>() + value;
+    }
     devices.append(state->describe());
   }
-  py::dict d;
-  d["fetches"] = fetches;
-  d["copies_h2d"] = copies;
-  d["bytes_h2d"] = bytes_h2d;
-  d["reuse_hits"] = reuse;
-  d["downloads"] = downloads;
-  d["bytes_d2h"] = bytes_d2h;
-  d["pinned_bytes"] = pinned;
-  d["host_bytes_held"] = held;
-  d["host_bytes_requested"] = requested;
-  d["ring_bytes"] = ring;
-  d["leases_outstanding"] = leases;
-  d["device_states"] = states;
-  d["devices"] = devices;
-  return d;
+  total["device_states"] = devices.size();
+  total["devices"] = devices;
+  return total;
 }
 
 void check_torch_version() {
@@ -414,7 +393,7 @@ PYBIND11_MODULE(manager_modules, m) {
 
   py::class_<DeviceStateHandle>(m, "DeviceState")
       .def_property_readonly("description", [](const DeviceStateHandle& h) { return h.state->describe(); })
-      .def("stats", [](DeviceStateHandle& h) { return state_stats(*h.state); },
+      .def("stats", [](DeviceStateHandle& h) { return stats_dict(h.state->stats()); },
            "This device's counters: bytes moved, reuse, host memory, leases outstanding.")
       .def("__repr__", [](const DeviceStateHandle& h) { return "<layerstream DeviceState " + h.state->describe() + ">"; });
 

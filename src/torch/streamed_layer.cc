@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "layerstream/check.h"
+#include "layerstream/log.h"
 
 #ifdef LAYERSTREAM_TORCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -73,13 +74,18 @@ StreamedLayer::StreamedLayer(std::shared_ptr<DeviceState> state, LayerKind kind,
     : state_(std::move(state)), kind_(kind), conv_(std::move(conv)) {}
 
 StreamedLayer::~StreamedLayer() {
-  if (id_ != 0 && generation_ == state_->generation() && state_->mode() != Mode::kCpu) {
+  if (TransferEngine* engine = engine_if_registered()) {
     try {
-      state_->engine_for(0).remove_layer(id_);
-    } catch (const std::exception&) {
-      // The engine is being torn down with the state; nothing of ours is left in it.
+      engine->remove_layer(id_);
+    } catch (const std::exception& e) {
+      log(LogLevel::kWarning, std::string("unregistering a layer failed: ") + e.what());
     }
   }
+}
+
+TransferEngine* StreamedLayer::engine_if_registered() {
+  if (id_ == 0 || generation_ != state_->generation()) return nullptr;
+  return state_->current_engine();
 }
 
 std::size_t StreamedLayer::packed_bytes() const { return block_ ? block_->block().bytes : 0; }
@@ -138,9 +144,7 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
   }
 
   // Leave the old registration (its host bytes stay valid until the engine has let go of them).
-  if (id_ != 0 && generation_ == state_->generation() && state_->mode() != Mode::kCpu) {
-    state_->engine_for(0).remove_layer(id_);
-  }
+  if (TransferEngine* engine = engine_if_registered()) engine->remove_layer(id_);
   id_ = 0;
   generation_ = 0;
   block_ = std::move(block);
@@ -157,9 +161,7 @@ void StreamedLayer::refresh(const at::Tensor& weight, const at::Tensor& bias) {
       if (w_same && b_same) return;
       // Modified in place (an optimizer step on a trainable layer): the arena holds the new bytes
       // already; the device copy is stale.
-      if (id_ != 0 && generation_ == state_->generation() && state_->mode() != Mode::kCpu) {
-        state_->engine_for(0).begin_host_write(id_);
-      }
+      if (TransferEngine* engine = engine_if_registered()) engine->begin_host_write(id_);
       weight_.version = weight._version();
       if (bias_.defined) bias_.version = bias._version();
       return;

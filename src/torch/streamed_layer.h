@@ -74,6 +74,8 @@ class StreamedLayer : public torch::CustomClassHolder {
   template <typename Fn>
   auto with_device_weights(Fn&& fn);
   TransferEngine& registered_engine();
+  // The engine this layer is registered in, or nullptr (not yet, or the engine was rebuilt since).
+  TransferEngine* engine_if_registered();
   at::Tensor grad_to_host(at::Tensor grad, const at::Tensor& param);
   static bool matches(const Packed& p, const at::Tensor& t);
 

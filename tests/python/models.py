@@ -73,3 +73,19 @@ def apply_lora(model: torch.nn.Module, rank: int = 4) -> list[LoRA]:
     for i, layer in enumerate(m for m in model.modules() if isinstance(m, torch.nn.Linear)):
         loras.append(LoRA(layer, rank, seed=1000 + i))
     return loras
+
+
+def train_lora(model, loras, device, steps, sync=lambda: None, seed=10) -> list[float]:
+    """AdamW on the LoRA parameters; `sync` is called where AI-Toolkit's trainer joins gradient copies."""
+    opt = torch.optim.AdamW([p for lo in loras for p in lo.parameters()], lr=1e-2)
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(2, 6, 64, generator=g).to(device)
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        sync()
+        opt.step()
+        losses.append(loss.item())
+    return losses

@@ -12,27 +12,12 @@ import torch
 from conftest import aitk_dirs
 from layerstream import manager_modules as mm
 from layerstream.aitk import load_memory_management
-from models import TinyTransformer, apply_lora
+from models import TinyTransformer, apply_lora, train_lora
 
 DIRS = aitk_dirs()
 pytestmark = pytest.mark.skipif(
     not DIRS, reason="AI_TOOLKIT_DIR is not set (point it at one or more AI-Toolkit checkouts, os.pathsep-separated)"
 )
-
-
-def _train(model, loras, device, steps, sync):
-    opt = torch.optim.AdamW([p for lo in loras for p in lo.parameters()], lr=1e-2)
-    g = torch.Generator().manual_seed(7)
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(2, 6, 64, generator=g).to(device)
-        opt.zero_grad(set_to_none=True)
-        loss = model(x).float().pow(2).mean()
-        loss.backward()
-        sync()
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 @pytest.mark.parametrize("aitk_dir", DIRS)
@@ -53,7 +38,7 @@ def test_real_manager_trains_lora_bitwise_like_resident(engine, device, aitk_dir
     loras = [lo.to(device) for lo in apply_lora(managed)]
     sync = getattr(package, "sync_grad_transfers", lambda: None)
     steps = 10 if engine == "cuda" else 3
-    assert _train(managed, loras, device, steps, sync) == _train(resident, ref_loras, device, steps, lambda: None)
+    assert train_lora(managed, loras, device, steps, sync) == train_lora(resident, ref_loras, device, steps)
     for a, b in zip(ref_loras, loras):
         assert torch.equal(a.up, b.up) and torch.equal(a.down, b.down)
 

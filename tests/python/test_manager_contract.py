@@ -14,7 +14,7 @@ import torch
 
 from layerstream import manager_modules as mm
 from contract_driver import ContractManager
-from models import TinyTransformer, apply_lora
+from models import TinyTransformer, apply_lora, train_lora
 
 
 class Manager:
@@ -97,6 +97,27 @@ def test_ara_adapter_org_forward_is_replaced_not_the_layer_forward(engine, devic
 
 # ---- bitwise equality -----------------------------------------------------------------------------------
 
+def assert_same_forward_backward(ref, layer, x_ref, x, trainable):
+    """Output, input gradient and (when trainable) weight and bias gradients bitwise equal; the managed
+    layer's parameter gradients arrive on the host."""
+    x_ref.requires_grad_(True)
+    x.requires_grad_(True)
+    out_ref, out = ref(x_ref), layer(x)
+    assert torch.equal(out_ref, out)
+    grad = torch.randn_like(out_ref)
+    out_ref.backward(grad)
+    out.backward(grad)
+    mm.sync_grad_transfers()
+    assert torch.equal(x_ref.grad, x.grad)
+    if not trainable:
+        assert layer.weight.grad is None
+        return
+    assert layer.weight.grad.device.type == "cpu"
+    assert torch.equal(ref.weight.grad.cpu(), layer.weight.grad)
+    if ref.bias is not None:
+        assert torch.equal(ref.bias.grad.cpu(), layer.bias.grad)
+
+
 LINEAR_CASES = [
     # (input shape, in, out, bias, make x non-contiguous)
     ((5, 16), 16, 24, True, False),
@@ -124,22 +145,7 @@ def test_linear_outputs_and_gradients_are_bitwise_equal(engine, device, dtype, c
     else:
         x = torch.randn(*shape, dtype=dtype, device=device)
         x1, x2 = x.clone(), x.clone()
-    x1.requires_grad_(True)
-    x2.requires_grad_(True)
-    out_ref, out = ref(x1), layer(x2)
-    assert torch.equal(out_ref, out)
-    grad = torch.randn_like(out_ref)
-    out_ref.backward(grad)
-    out.backward(grad)
-    mm.sync_grad_transfers()
-    assert torch.equal(x1.grad, x2.grad)
-    if trainable:
-        assert layer.weight.grad.device.type == "cpu"
-        assert torch.equal(ref.weight.grad.cpu(), layer.weight.grad)
-        if bias:
-            assert torch.equal(ref.bias.grad.cpu(), layer.bias.grad)
-    else:
-        assert layer.weight.grad is None
+    assert_same_forward_backward(ref, layer, x1, x2, trainable)
 
 
 CONV_CASES = [
@@ -161,18 +167,7 @@ def test_conv2d_outputs_and_gradients_are_bitwise_equal(engine, device, dtype, c
     layer = managed_copy(ref, device)
     ref = ref.to(device)
     x = torch.randn(2, case["cin"], 11, 9, dtype=dtype, device=device)
-    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    out_ref, out = ref(x1), layer(x2)
-    assert torch.equal(out_ref, out)
-    grad = torch.randn_like(out_ref)
-    out_ref.backward(grad)
-    out.backward(grad)
-    mm.sync_grad_transfers()
-    assert torch.equal(x1.grad, x2.grad)
-    if trainable:
-        assert torch.equal(ref.weight.grad.cpu(), layer.weight.grad)
-        if case["bias"]:
-            assert torch.equal(ref.bias.grad.cpu(), layer.bias.grad)
+    assert_same_forward_backward(ref, layer, x.clone(), x.clone(), trainable)
 
 
 def test_gradients_accumulate_across_backward_passes(engine, device):
@@ -214,21 +209,6 @@ def test_replaced_or_modified_weights_are_never_served_stale(engine, device):
 
 # ---- training end to end ----------------------------------------------------------------------------
 
-def _train(model, loras, device, steps, x_seed=10):
-    opt = torch.optim.AdamW([p for lo in loras for p in lo.parameters()], lr=1e-2)
-    g = torch.Generator().manual_seed(x_seed)
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(2, 6, 64, generator=g).to(device)
-        opt.zero_grad(set_to_none=True)
-        loss = model(x).float().pow(2).mean()
-        loss.backward()
-        mm.sync_grad_transfers()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("checkpointing", [None, "reentrant", "non_reentrant"])
 def test_lora_training_is_bitwise_identical_to_all_resident(engine, device, checkpointing):
     steps = 20 if engine == "cuda" else 4
@@ -240,8 +220,8 @@ def test_lora_training_is_bitwise_identical_to_all_resident(engine, device, chec
     driver.to_device()
     ref_loras = [lo.to(device) for lo in apply_lora(resident)]
     loras = [lo.to(device) for lo in apply_lora(managed)]
-    ref_losses = _train(resident, ref_loras, device, steps)
-    losses = _train(managed, loras, device, steps)
+    ref_losses = train_lora(resident, ref_loras, device, steps, mm.sync_grad_transfers)
+    losses = train_lora(managed, loras, device, steps, mm.sync_grad_transfers)
     assert losses == ref_losses
     for a, b in zip(ref_loras, loras):
         assert torch.equal(a.down, b.down) and torch.equal(a.up, b.up)
@@ -326,8 +306,8 @@ def test_two_models_one_device_then_free_the_text_encoder(engine, device):
     del encoder
     gc.collect()
     assert state.stats()["host_bytes_requested"] == held_trainer_only  # the encoder's bytes are returned
-    losses_ref = _train(resident, ref_loras, device, 3)
-    losses = _train(trainer, loras, device, 3)
+    losses_ref = train_lora(resident, ref_loras, device, 3, mm.sync_grad_transfers)
+    losses = train_lora(trainer, loras, device, 3, mm.sync_grad_transfers)
     assert losses == losses_ref
     assert cond.shape == (1, 6, 64)
 
