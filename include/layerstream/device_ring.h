@@ -57,6 +57,9 @@ class DeviceRing {
   // Places a region of `bytes` for `owner`, held once. Evicted regions are reported in `eviction`.
   // Throws InvalidArgument when `bytes` exceeds the capacity, Error when held regions leave no room.
   RegionId place(std::size_t bytes, std::uint64_t owner, Eviction& eviction);
+  // Like place(), but the region starts unheld (a prefetch nobody reads yet), and when held regions leave
+  // no room it places nothing and returns 0 instead of throwing.
+  RegionId try_place_unheld(std::size_t bytes, std::uint64_t owner, Eviction& eviction);
   // Adds a hold to a live region (a reader reusing cached bytes).
   void hold(RegionId region);
   // Drops one hold; `consumer` is the stream whose work read the region. Throws InvalidArgument when
@@ -91,6 +94,8 @@ class DeviceRing {
   };
 
   void evict(std::map<RegionId, Region>::iterator it, Eviction& eviction);
+  RegionId place_impl(std::size_t bytes, std::uint64_t owner, Eviction& eviction, int holds,
+                      bool throw_when_full);
 
   std::size_t capacity_;
   std::size_t alignment_;

@@ -68,7 +68,10 @@ struct EngineStats {
   std::uint64_t fetches = 0;
   std::uint64_t copies_h2d = 0;
   std::uint64_t bytes_h2d = 0;
-  std::uint64_t reuse_hits = 0;
+  std::uint64_t reuse_hits = 0;      // fetches served from the ring (prefetch hits included)
+  std::uint64_t prefetches = 0;      // copies issued by prefetch()
+  std::uint64_t prefetch_hits = 0;   // prefetched layers later fetched while still in the ring
+  std::uint64_t prefetch_wasted = 0; // prefetched layers evicted before any fetch
   std::uint64_t evictions = 0;
   std::uint64_t bounce_chunks = 0;  // pieces staged through bounce buffers (pageable layers)
   std::uint64_t downloads = 0;
@@ -102,6 +105,10 @@ class TransferEngine {
   bool on_device(LayerId layer) const;
 
   Lease fetch(LayerId layer);
+  // Issues the copy of `layer` now, ahead of its fetch, when it is not in the ring already and the ring
+  // has room without touching held regions. The region is not held: a later fetch holds it (a reuse),
+  // or a later placement may evict it unused. Returns whether a copy was issued.
+  bool prefetch(LayerId layer);
   void wait_ready(const Lease& lease, StreamHandle consumer);
   // For readers on the host itself (the simulator's CPU compute): blocks until the copy has landed.
   // Release afterwards on any stream: work enqueued after host reads is ordered after them.
@@ -126,6 +133,7 @@ class TransferEngine {
     RegionId region = 0; // 0: not in the ring
     int leases = 0;
     bool owned = true;   // block allocated from arena_ (freed by remove_layer)
+    bool prefetched_unused = false;
   };
   struct Outstanding {
     LayerId layer;
@@ -135,6 +143,10 @@ class TransferEngine {
   Layer& layer_locked(LayerId layer);
   const Layer& layer_locked(LayerId layer) const;
   void copy_in_locked(const Layer& layer, void* device_dst);
+  // Waits (on H2D) for what a placement displaced and forgets the evicted layers' regions.
+  void settle_eviction_locked(Eviction& eviction);
+  // Copies the layer into its freshly placed region and records `copied`.
+  void copy_layer_locked(Layer& layer);
   void discard_region_locked(Layer& layer);
 
   Backend& backend_;

@@ -32,6 +32,15 @@ void DeviceRing::evict(std::map<RegionId, Region>::iterator it, Eviction& evicti
 }
 
 RegionId DeviceRing::place(std::size_t bytes, std::uint64_t owner, Eviction& eviction) {
+  return place_impl(bytes, owner, eviction, 1, true);
+}
+
+RegionId DeviceRing::try_place_unheld(std::size_t bytes, std::uint64_t owner, Eviction& eviction) {
+  return place_impl(bytes, owner, eviction, 0, false);
+}
+
+RegionId DeviceRing::place_impl(std::size_t bytes, std::uint64_t owner, Eviction& eviction, int holds,
+                                bool throw_when_full) {
   LS_CHECK_ARG(bytes > 0, "DeviceRing::place: size must be positive");
   const std::size_t rounded = round_up(bytes, alignment_);
   LS_CHECK_ARG(rounded <= capacity_, "a layer of ", bytes, " bytes does not fit the device ring of ",
@@ -57,6 +66,7 @@ RegionId DeviceRing::place(std::size_t bytes, std::uint64_t owner, Eviction& evi
       pos = 0;
     }
     if (scanned > capacity_ + rounded) {
+      if (!throw_when_full) return 0;
       std::size_t held_bytes = 0, held_regions = 0;
       for (const auto& [id, r] : regions_) {
         if (r.holds > 0) held_bytes += r.bytes, ++held_regions;
@@ -75,7 +85,7 @@ RegionId DeviceRing::place(std::size_t bytes, std::uint64_t owner, Eviction& evi
   }
 
   const RegionId id = next_id_++;
-  regions_.emplace(id, Region{pos, rounded, owner, 1, {}});
+  regions_.emplace(id, Region{pos, rounded, owner, holds, {}});
   head_ = pos + rounded == capacity_ ? 0 : pos + rounded;
   return id;
 }

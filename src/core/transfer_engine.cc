@@ -80,6 +80,7 @@ void TransferEngine::discard_region_locked(Layer& layer) {
     ring_.recycle(eviction.wait_events);
   }
   layer.region = 0;
+  layer.prefetched_unused = false;
 }
 
 void TransferEngine::remove_layer(LayerId id) {
@@ -163,27 +164,55 @@ Lease TransferEngine::fetch(LayerId id) {
   if (layer.region != 0 && ring_.live(layer.region)) {
     ring_.hold(layer.region);
     ++stats_.reuse_hits;
+    if (layer.prefetched_unused) ++stats_.prefetch_hits;
   } else {
     Eviction eviction;
     layer.region = ring_.place(layer.block.bytes, id, eviction);
-    for (LayerId owner : eviction.owners) {
-      auto it = layers_.find(owner);
-      if (it != layers_.end()) it->second.region = 0;
-    }
-    stats_.evictions += eviction.owners.size();
-    for (Event& e : eviction.wait_events) backend_.stream_wait_event(h2d_.get(), e.get());
-    ring_.recycle(eviction.wait_events);
-    copy_in_locked(layer, ring_.info(layer.region).data);
-    layer.copied.record(h2d_.get());
+    settle_eviction_locked(eviction);
+    copy_layer_locked(layer);
     lease.copied = true;
-    ++stats_.copies_h2d;
-    stats_.bytes_h2d += layer.block.bytes;
   }
+  layer.prefetched_unused = false;
   lease.data = ring_.info(layer.region).data;
   lease.ticket = next_ticket_++;
   leases_.emplace(lease.ticket, Outstanding{id, layer.region});
   ++layer.leases;
   return lease;
+}
+
+bool TransferEngine::prefetch(LayerId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Layer& layer = layer_locked(id);
+  if (layer.region != 0 && ring_.live(layer.region)) return false;
+  Eviction eviction;
+  const RegionId region = ring_.try_place_unheld(layer.block.bytes, id, eviction);
+  if (region == 0) return false;  // held regions leave no room now; the fetch will copy on demand
+  layer.region = region;
+  settle_eviction_locked(eviction);
+  copy_layer_locked(layer);
+  layer.prefetched_unused = true;
+  ++stats_.prefetches;
+  return true;
+}
+
+void TransferEngine::settle_eviction_locked(Eviction& eviction) {
+  for (LayerId owner : eviction.owners) {
+    auto it = layers_.find(owner);
+    if (it == layers_.end()) continue;
+    it->second.region = 0;
+    if (it->second.prefetched_unused) ++stats_.prefetch_wasted;
+    it->second.prefetched_unused = false;
+  }
+  stats_.evictions += eviction.owners.size();
+  for (Event& e : eviction.wait_events) backend_.stream_wait_event(h2d_.get(), e.get());
+  ring_.recycle(eviction.wait_events);
+}
+
+void TransferEngine::copy_layer_locked(Layer& layer) {
+  copy_in_locked(layer, ring_.info(layer.region).data);
+  layer.copied.record(h2d_.get());
+  ++stats_.copies_h2d;
+  stats_.bytes_h2d += layer.block.bytes;
 }
 
 void TransferEngine::wait_ready(const Lease& lease, StreamHandle consumer) {

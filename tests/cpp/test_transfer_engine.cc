@@ -148,6 +148,40 @@ TEST_P(TransferEngineTest, DownloadsLandAfterTheProducersWork) {
   EXPECT_EQ(engine.stats().downloads_pending, 0u);
 }
 
+TEST_P(TransferEngineTest, PrefetchedLayerIsFetchedWithoutASecondCopy) {
+  TransferEngine engine(backend(), small_options(16384));
+  LayerId a = engine.add_layer(4096), b = engine.add_layer(4096);
+  fill(engine, a, 1), fill(engine, b, 2);
+  EXPECT_TRUE(engine.prefetch(a));
+  EXPECT_FALSE(engine.prefetch(a));  // already in the ring
+  Lease l;
+  EXPECT_EQ(use(engine, a, &l), host_bytes(engine, a));
+  EXPECT_FALSE(l.copied);
+  const EngineStats s = engine.stats();
+  EXPECT_EQ(s.prefetches, 1u);
+  EXPECT_EQ(s.prefetch_hits, 1u);
+  EXPECT_EQ(s.copies_h2d, 1u);
+  EXPECT_EQ(s.bytes_h2d, 4096u);
+}
+
+TEST_P(TransferEngineTest, PrefetchNeverDisplacesHeldRegionsAndCountsWaste) {
+  TransferEngine engine(backend(), small_options(8192));
+  LayerId a = engine.add_layer(4096), b = engine.add_layer(4096), c = engine.add_layer(4096);
+  fill(engine, a, 1), fill(engine, b, 2), fill(engine, c, 3);
+  Lease la = engine.fetch(a);
+  Lease lb = engine.fetch(b);
+  EXPECT_FALSE(engine.prefetch(c));  // the ring is full of held regions: no copy, no error
+  engine.release(lb, compute_.get());
+  engine.release(la, compute_.get());
+  EXPECT_TRUE(engine.prefetch(c));   // evicts a (released)
+  EXPECT_TRUE(engine.prefetch(a));   // evicts b
+  EXPECT_TRUE(engine.prefetch(b));   // evicts c, which was never used
+  EXPECT_EQ(engine.stats().prefetch_wasted, 1u);
+  EXPECT_EQ(use(engine, b), host_bytes(engine, b));
+  EXPECT_EQ(use(engine, a), host_bytes(engine, a));
+  EXPECT_EQ(engine.stats().prefetch_hits, 2u);
+}
+
 LS_INSTANTIATE_ON_BACKENDS(TransferEngineTest);
 
 // ---- sim-only: fallback staging and teardown -----------------------------------------------------------
