@@ -64,6 +64,7 @@ HostBlockRef::~HostBlockRef() {
 }
 
 DeviceState::DeviceState(const c10::Device& device, Mode mode) : device_(device), mode_(mode) {
+  if (const char* p = std::getenv("LAYERSTREAM_PREFETCH"); p != nullptr && std::string(p) == "0") prefetch_ = false;
   pool_ = std::make_shared<HostPool>();
   ArenaOptions arena;
   arena.chunk_bytes = env_mib("LAYERSTREAM_CHUNK_MB", 256 * kMiB);
@@ -168,6 +169,30 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
   return *engine_;
 }
 
+void DeviceState::note_use(LayerId layer) {
+  constexpr std::size_t kLookahead = 8;
+  if (!prefetch_) return;
+  std::lock_guard<std::mutex> lock(mu_);  // also keeps the engine from being rebuilt meanwhile
+  if (!engine_) return;
+  if (predictor_generation_ != generation_) {  // layer ids of an older engine mean nothing now
+    predictor_ = AccessPredictor();
+    predictor_generation_ = generation_;
+  }
+  predictor_.observe(layer);
+  const std::size_t budget = engine_->stats().ring_capacity / 3;
+  std::size_t planned = 0;
+  for (LayerId next : predictor_.predict(kLookahead)) {
+    if (next == layer) continue;
+    try {
+      planned += engine_->host_block(next).bytes;
+    } catch (const InvalidArgument&) {
+      break;  // that layer is gone (freed model): the prediction is stale
+    }
+    if (planned > budget) break;
+    engine_->prefetch(next);
+  }
+}
+
 TransferEngine* DeviceState::current_engine() {
   std::lock_guard<std::mutex> lock(mu_);
   return engine_.get();
@@ -210,6 +235,8 @@ StateStats DeviceState::stats() {
   add_counters(s.engine, retired_);
   s.engine.arena = pool_->arena->stats();
   s.engines_built = engines_built_;
+  s.predictor = predictor_.stats();
+  if (mode_ == Mode::kSim) s.sim_races = static_cast<SimBackend&>(*pool_->backend).violation_count();
   return s;
 }
 

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "layerstream/access_predictor.h"
 #include "layerstream/backend.h"
 #include "layerstream/pinned_arena.h"
 #include "layerstream/transfer_engine.h"
@@ -55,7 +56,9 @@ class HostBlockRef {
 
 struct StateStats {
   EngineStats engine;
+  PredictorStats predictor;
   std::uint64_t engines_built = 0;
+  std::uint64_t sim_races = 0;  // sim mode: unordered accesses the race checker found
 };
 
 class DeviceState {
@@ -76,6 +79,11 @@ class DeviceState {
   // The engine as it is (nullptr before the first streamed call), never building one.
   TransferEngine* current_engine();
   std::uint64_t generation() const { return generation_; }
+
+  // Records that `layer` (of the current engine) is in use, and issues the copies of the layers the
+  // access predictor expects next, up to a third of the ring, so that they arrive ahead of need.
+  // LAYERSTREAM_PREFETCH=0 turns this off (copies then happen only when a layer is called).
+  void note_use(LayerId layer);
 
   // The stream consumers release on: torch's current stream (CUDA) or the host's proxy stream (sim).
   StreamHandle consumer_stream();
@@ -102,6 +110,9 @@ class DeviceState {
   std::uint64_t generation_ = 0;
   std::uint64_t engines_built_ = 0;
   EngineStats retired_;  // counters of engines replaced by a larger one
+  bool prefetch_ = true;
+  AccessPredictor predictor_;
+  std::uint64_t predictor_generation_ = 0;  // the engine generation whose layer ids it has seen
   std::vector<at::Tensor> download_sources_;
   Stream host_stream_;   // sim only
 };

@@ -322,6 +322,12 @@ py::dict stats_dict(const StateStats& s) {
   d["ring_bytes"] = s.engine.ring_capacity;
   d["leases_outstanding"] = s.engine.leases_outstanding;
   d["engines_built"] = s.engines_built;
+  d["prefetches"] = s.engine.prefetches;
+  d["prefetch_hits"] = s.engine.prefetch_hits;
+  d["prefetch_wasted"] = s.engine.prefetch_wasted;
+  d["predicted_uses"] = s.predictor.predicted;
+  d["predicted_correctly"] = s.predictor.correct;
+  d["sim_races"] = s.sim_races;
   return d;
 }
 

@@ -185,6 +185,7 @@ auto StreamedLayer::with_device_weights(Fn&& fn) {
   TransferEngine& engine = registered_engine();
   const StreamHandle consumer = state_->consumer_stream();
   const Lease lease = engine.fetch(id_);
+  state_->note_use(id_);  // after the fetch holds this layer, so prefetches cannot displace it
   const bool on_host = state_->mode() == Mode::kSim;
   const at::Device where = on_host ? at::Device(at::kCPU) : state_->device();
   auto view = [&](const Packed& p) {

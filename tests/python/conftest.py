@@ -43,6 +43,8 @@ def engine(request, monkeypatch):
     _clear_states()
     yield mode
     mm.sync_grad_transfers()
+    # The simulator's race checker watched every copy and every read of the test: none may be unordered.
+    assert mm.stats()["sim_races"] == 0
     _clear_states()
 
 

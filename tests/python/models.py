@@ -80,8 +80,9 @@ def train_lora(model, loras, device, steps, sync=lambda: None, seed=10) -> list[
     opt = torch.optim.AdamW([p for lo in loras for p in lo.parameters()], lr=1e-2)
     g = torch.Generator().manual_seed(seed)
     losses = []
+    width = model.norm.normalized_shape[0]
     for _ in range(steps):
-        x = torch.randn(2, 6, 64, generator=g).to(device)
+        x = torch.randn(2, 6, width, generator=g).to(device)
         opt.zero_grad(set_to_none=True)
         loss = model(x).float().pow(2).mean()
         loss.backward()

@@ -340,3 +340,28 @@ def test_import_refuses_a_different_torch(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode != 0
     assert "built against torch" in result.stderr and "0.0.1" in result.stderr
+
+
+# ---- prefetch ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prefetch", ["1", "0"])
+def test_prefetch_learns_the_step_order_without_changing_results(engine, device, prefetch, monkeypatch):
+    if engine == "cpu":
+        pytest.skip("the CPU mode has no engine to prefetch with")
+    monkeypatch.setenv("LAYERSTREAM_PREFETCH", prefetch)
+    monkeypatch.setenv("LAYERSTREAM_RING_MB", "4")  # half the model: layers must come and go every step
+    torch.manual_seed(8)
+    base = TinyTransformer(d=256, ff=512, layers=4, checkpointing="non_reentrant").requires_grad_(False)
+    resident = copy.deepcopy(base).to(device)
+    managed = copy.deepcopy(base)
+    ContractManager.attach(mm, managed, device).to_device()
+    ref_loras = [lo.to(device) for lo in apply_lora(resident)]
+    loras = [lo.to(device) for lo in apply_lora(managed)]
+    assert train_lora(managed, loras, device, 4, mm.sync_grad_transfers) == train_lora(resident, ref_loras, device, 4)
+    stats = mm._DEVICE_STATE[device].stats()
+    if prefetch == "0":
+        assert stats["prefetches"] == 0
+        return
+    # From the second step on, (nearly) every use was predicted and most copies were issued ahead of need.
+    assert stats["predicted_correctly"] >= 0.7 * stats["fetches"]
+    assert stats["prefetch_hits"] > 0.5 * stats["prefetches"]
