@@ -1,0 +1,612 @@
+#!/usr/bin/env python3
+"""LoRA training step on a FLUX.1-shaped transformer: all resident, AI-Toolkit's stock offloading, layerstream.
+
+The model has FLUX.1's block layout and layer shapes (19 double-stream and 38 single-stream blocks at hidden
+3072, about 11.85B bf16 parameters) with random weights; no embedders, RoPE or final layer, because only the
+block linears matter for what is measured: how long a training step takes when those weights stream over
+PCIe. A rank-128 LoRA wraps every block linear the way AI-Toolkit's LoRA network does (after the memory
+manager has attached, so the LoRA's ``org_forward`` is the manager's forward), and AdamW trains it.
+
+Modes (``--mode``):
+  resident     the whole model on the device: the compute time T_compute of a step
+  stock        AI-Toolkit's own MemoryManager with its own manager_modules.py
+  layerstream  AI-Toolkit's own MemoryManager with layerstream's manager_modules
+  all          the three above, each in its own subprocess (clean peak-memory figures), then one table
+
+Each mode reports s/step, peak VRAM, peak host RSS, pinned host bytes, bytes over the bus per step, the
+first losses (the same weights, inputs and LoRA init in every mode, so they should agree) and the ratio to
+the floor max(T_compute, bytes_per_step / pinned H2D bandwidth) of docs/design.md.
+
+Examples (`layerstream bench` and `python benchmarks/flux_bench.py` are the same entry point):
+  layerstream bench --preset flux1 --mode all --aitk-dir /path/to/ai-toolkit --md-out bench.md
+  layerstream bench --preset flux1 --mode all --vram-cap-gb 24 --aitk-dir /path/to/ai-toolkit
+  layerstream bench --preset small --mode resident          # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import random
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+GiB = 1 << 30
+MODES = ("resident", "stock", "layerstream")
+DTYPE = torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FluxConfig:
+    hidden: int
+    heads: int
+    double_blocks: int
+    single_blocks: int
+    mlp_ratio: int
+    img_tokens: int
+    txt_tokens: int
+
+
+PRESETS = {
+    "flux1": FluxConfig(hidden=3072, heads=24, double_blocks=19, single_blocks=38, mlp_ratio=4,
+                        img_tokens=4096, txt_tokens=512),
+    "medium": FluxConfig(hidden=3072, heads=24, double_blocks=2, single_blocks=4, mlp_ratio=4,
+                         img_tokens=4096, txt_tokens=512),
+    "small": FluxConfig(hidden=256, heads=4, double_blocks=2, single_blocks=4, mlp_ratio=4,
+                        img_tokens=64, txt_tokens=16),
+}
+
+
+def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale) + shift
+
+
+def _attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, L, 3*H) packed q|k|v -> attention output (B, L, H)."""
+    batch, tokens, _ = qkv.shape
+    q, k, v = qkv.view(batch, tokens, 3, heads, -1).permute(2, 0, 3, 1, 4)
+    out = F.scaled_dot_product_attention(q, k, v)
+    return out.transpose(1, 2).reshape(batch, tokens, -1)
+
+
+class _Stream(nn.Module):
+    """The per-stream (image or text) half of a double-stream block."""
+
+    def __init__(self, cfg: FluxConfig):
+        super().__init__()
+        h, mlp = cfg.hidden, cfg.hidden * cfg.mlp_ratio
+        self.mod = nn.Linear(h, 6 * h)
+        self.norm = nn.LayerNorm(h, elementwise_affine=False, eps=1e-6)
+        self.qkv = nn.Linear(h, 3 * h)
+        self.proj = nn.Linear(h, h)
+        self.mlp = nn.Sequential(nn.Linear(h, mlp), nn.GELU(approximate="tanh"), nn.Linear(mlp, h))
+
+
+class DoubleStreamBlock(nn.Module):
+    """Image and text streams with their own weights, attending jointly over the concatenated tokens."""
+
+    def __init__(self, cfg: FluxConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.img = _Stream(cfg)
+        self.txt = _Stream(cfg)
+
+    def forward(self, img: torch.Tensor, txt: torch.Tensor, vec: torch.Tensor):
+        cond = F.silu(vec)
+        img_mod = self.img.mod(cond).unsqueeze(1).chunk(6, dim=-1)
+        txt_mod = self.txt.mod(cond).unsqueeze(1).chunk(6, dim=-1)
+        img_qkv = self.img.qkv(_modulate(self.img.norm(img), img_mod[0], img_mod[1]))
+        txt_qkv = self.txt.qkv(_modulate(self.txt.norm(txt), txt_mod[0], txt_mod[1]))
+        attn = _attention(torch.cat((txt_qkv, img_qkv), dim=1), self.heads)
+        txt_attn, img_attn = attn.split((txt.shape[1], img.shape[1]), dim=1)
+        img = img + img_mod[2] * self.img.proj(img_attn)
+        img = img + img_mod[5] * self.img.mlp(_modulate(self.img.norm(img), img_mod[3], img_mod[4]))
+        txt = txt + txt_mod[2] * self.txt.proj(txt_attn)
+        txt = txt + txt_mod[5] * self.txt.mlp(_modulate(self.txt.norm(txt), txt_mod[3], txt_mod[4]))
+        return img, txt
+
+
+class SingleStreamBlock(nn.Module):
+    """One stream over the concatenated tokens; qkv and the MLP input share one fused linear."""
+
+    def __init__(self, cfg: FluxConfig):
+        super().__init__()
+        h, mlp = cfg.hidden, cfg.hidden * cfg.mlp_ratio
+        self.heads = cfg.heads
+        self.split = (3 * h, mlp)
+        self.mod = nn.Linear(h, 3 * h)
+        self.norm = nn.LayerNorm(h, elementwise_affine=False, eps=1e-6)
+        self.linear1 = nn.Linear(h, 3 * h + mlp)
+        self.linear2 = nn.Linear(h + mlp, h)
+        self.act = nn.GELU(approximate="tanh")
+
+    def forward(self, x: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+        shift, scale, gate = self.mod(F.silu(vec)).unsqueeze(1).chunk(3, dim=-1)
+        qkv, mlp = self.linear1(_modulate(self.norm(x), shift, scale)).split(self.split, dim=-1)
+        out = self.linear2(torch.cat((_attention(qkv, self.heads), self.act(mlp)), dim=-1))
+        return x + gate * out
+
+
+class FluxShapedTransformer(nn.Module):
+    def __init__(self, cfg: FluxConfig, checkpointing: bool):
+        super().__init__()
+        self.checkpointing = checkpointing
+        self.double_blocks = nn.ModuleList(DoubleStreamBlock(cfg) for _ in range(cfg.double_blocks))
+        self.single_blocks = nn.ModuleList(SingleStreamBlock(cfg) for _ in range(cfg.single_blocks))
+
+    def _run(self, block: nn.Module, *inputs):
+        if self.checkpointing and torch.is_grad_enabled():
+            return checkpoint(block, *inputs, use_reentrant=False)
+        return block(*inputs)
+
+    def forward(self, img: torch.Tensor, txt: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+        for block in self.double_blocks:
+            img, txt = self._run(block, img, txt, vec)
+        x = torch.cat((txt, img), dim=1)
+        for block in self.single_blocks:
+            x = self._run(block, x, vec)
+        return x[:, txt.shape[1]:]
+
+
+def _init_parallel(jobs, seed: int) -> None:
+    """Run ``job(generator)`` for each job, job i with its own CPU generator seeded ``seed + i``.
+
+    Per-job seeds make the result independent of thread scheduling, and the thread pool matters: torch's CPU
+    normal_ runs on one core (about 150M elements/s), i.e. over a minute for FLUX.1's 11.85B parameters.
+    """
+    workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+    def run(indexed):
+        index, job = indexed
+        with torch.no_grad():  # grad mode is per thread: in-place init of a parameter needs it off here
+            job(torch.Generator().manual_seed(seed + index))
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(run, enumerate(jobs)))
+
+
+def build_model(cfg: FluxConfig, checkpointing: bool, seed: int) -> FluxShapedTransformer:
+    """The model in bf16 on the CPU, every parameter N(0, 0.02), frozen. Built on "meta" first so that
+    nothing is allocated twice or initialised twice."""
+    with torch.device("meta"):
+        model = FluxShapedTransformer(cfg, checkpointing).to(DTYPE)
+    model.to_empty(device="cpu")
+    _init_parallel([lambda g, p=p: p.normal_(0.0, 0.02, generator=g) for p in model.parameters()], seed)
+    return model.requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# LoRA, wrapping the layers the way AI-Toolkit's LoRA network does
+# ---------------------------------------------------------------------------------------------------------
+
+
+class LoRAModule(nn.Module):
+    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.lora_down = nn.Linear(base.in_features, rank, bias=False, dtype=DTYPE)
+        self.lora_up = nn.Linear(rank, base.out_features, bias=False, dtype=DTYPE)
+        self.scale = alpha / rank
+        self.org_forward = None
+
+    def init_weights(self, generator: torch.Generator, nonzero_up: bool) -> None:
+        nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5), generator=generator)
+        if nonzero_up:
+            # Small, so the adapted model stays close to the base one, but nonzero, so that lora_down gets a
+            # gradient too and the step exercises every backward path.
+            self.lora_up.weight.normal_(0.0, 1e-3, generator=generator)
+        else:
+            nn.init.zeros_(self.lora_up.weight)
+
+    def apply_to(self, base: nn.Linear) -> None:
+        # Whatever forward the layer has now is wrapped: with a memory manager attached, that is the
+        # manager's bouncing forward. The base layer is not registered as a submodule (nor is the LoRA in the
+        # model), so the manager never sees the LoRA's linears and they stay on the device.
+        self.org_forward = base.forward
+        base.forward = self.forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.org_forward(x) + self.lora_up(self.lora_down(x)) * self.scale
+
+
+def apply_lora(model: FluxShapedTransformer, rank: int, nonzero_up: bool, device: torch.device,
+               seed: int) -> nn.ModuleList:
+    """A LoRA on every linear inside the blocks; returns the network (the trainable parameters)."""
+    targets = [m for blocks in (model.double_blocks, model.single_blocks)
+               for m in blocks.modules() if isinstance(m, nn.Linear)]
+    with torch.device("meta"):
+        network = nn.ModuleList(LoRAModule(base, rank, alpha=float(rank)) for base in targets)
+    network.to_empty(device="cpu")
+    # Initialised on the CPU with CPU generators, so every mode and device starts from the same LoRA.
+    _init_parallel([lambda g, lora=lora: lora.init_weights(g, nonzero_up) for lora in network], seed)
+    network.to(device)
+    for lora, base in zip(network, targets):
+        lora.apply_to(base)
+    return network
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Measurements
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak resident set size of this process.
+
+    VmHWM first: the kernel tracks the true peak there. psutil has no peak RSS on Linux (memory_info().rss is
+    the current value), so it is only the fallback elsewhere (peak_wset on Windows).
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+    except ImportError:
+        return None
+    info = psutil.Process().memory_info()
+    return getattr(info, "peak_wset", info.rss)
+
+
+def measure_h2d_bytes_per_s(size: int = GiB, repeats: int = 5) -> float:
+    """Best of ``repeats`` copies of one pinned ``size``-byte tensor to the GPU, in bytes/s."""
+    src = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(size, dtype=torch.uint8, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = 0.0
+    for _ in range(repeats):
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = max(best, size / (start.elapsed_time(end) / 1e3))
+    return best
+
+
+def managed_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The weights and biases of the layers a memory manager took over, each storage once."""
+    seen, tensors = set(), []
+    for module in model.modules():
+        if not hasattr(module, "_layer_memory_manager"):
+            continue
+        # _parameters directly: what the layer holds, whatever properties a subclass puts on top.
+        for tensor in module._parameters.values():
+            if tensor is not None and tensor.untyped_storage().data_ptr() not in seen:
+                seen.add(tensor.untyped_storage().data_ptr())
+                tensors.append(tensor)
+    return tensors
+
+
+def stock_pinned_bytes(tensors: list[torch.Tensor]) -> tuple[int, int]:
+    """(bytes torch's caching host allocator holds, exact bytes) for the pinned ones among ``tensors``.
+
+    Every pin_memory() goes through that allocator, which rounds each block up to a power of two.
+    """
+    held = exact = 0
+    for tensor in tensors:
+        if tensor.is_pinned():
+            nbytes = tensor.untyped_storage().nbytes()
+            exact += nbytes
+            held += 1 << max(nbytes - 1, 0).bit_length()
+    return held, exact
+
+
+def layerstream_stats() -> dict | None:
+    """layerstream's telemetry, or None while its manager_modules has no stats() yet."""
+    try:
+        from layerstream import manager_modules
+
+        return dict(manager_modules.stats())
+    except Exception:  # the module or its stats() may not exist yet: report None, not a failed run
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One mode
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _skipped(mode: str, reason: str) -> dict:
+    print(f"[{mode}] skipped: {reason}", flush=True)
+    return {"mode": mode, "status": "skipped", "reason": reason}
+
+
+def load_engine(args, engine: str):
+    """(AI-Toolkit's memory_management package on ``engine``, None) or (None, why not)."""
+    aitk_dir = args.aitk_dir or os.environ.get("AI_TOOLKIT_DIR")
+    if not aitk_dir:
+        return None, "needs an AI-Toolkit checkout: pass --aitk-dir or set AI_TOOLKIT_DIR"
+    try:
+        from layerstream.aitk import load_memory_management
+
+        return load_memory_management(aitk_dir, engine=engine), None
+    except Exception as exc:  # layerstream's module may be missing or half-built: skip the mode, say why
+        return None, f"cannot load the {engine} engine: {type(exc).__name__}: {exc}"
+
+
+def run_mode(args, mode: str, device: torch.device) -> dict:
+    cfg = PRESETS[args.preset]
+    package = None
+    if mode != "resident":
+        package, reason = load_engine(args, mode)
+        if package is None:
+            return _skipped(mode, reason)
+
+    with torch.device("meta"):
+        shapes_only = FluxShapedTransformer(cfg, args.checkpointing).to(DTYPE)
+    weight_bytes = sum(p.nbytes for p in shapes_only.parameters())
+    cap = int(args.vram_cap_gb * GiB) if args.vram_cap_gb and device.type == "cuda" else None
+    if mode == "resident" and cap is not None and weight_bytes > cap:
+        return _skipped(mode, f"{weight_bytes / GiB:.1f} GiB of weights do not fit in the {args.vram_cap_gb} GiB cap")
+
+    t0 = time.perf_counter()
+    model = build_model(cfg, args.checkpointing, seed=args.seed + 2)
+    build_s = time.perf_counter() - t0
+    print(f"[{mode}] built {weight_bytes / GiB:.2f} GiB of bf16 weights in {build_s:.1f} s", flush=True)
+
+    t0 = time.perf_counter()
+    if package is None:
+        model.to(device)
+    else:
+        random.seed(args.seed)  # AI-Toolkit picks the layers left resident with random.random()
+        package.MemoryManager.attach(model, device, offload_percent=args.offload_percent)
+        model.to(device)  # the patched .to moves only the unmanaged modules
+    network = apply_lora(model, args.rank, args.lora_init_nonzero, device, seed=args.seed + 1)
+    place_s = time.perf_counter() - t0
+    print(f"[{mode}] placed the model and applied LoRA in {place_s:.1f} s", flush=True)
+    if cap is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+
+    inputs_gen = torch.Generator().manual_seed(args.seed)
+    img, txt, vec = (torch.randn(shape, generator=inputs_gen, dtype=DTYPE).to(device)
+                     for shape in ((1, cfg.img_tokens, cfg.hidden), (1, cfg.txt_tokens, cfg.hidden), (1, cfg.hidden)))
+    optimizer = torch.optim.AdamW(network.parameters(), lr=1e-4)
+    # AI-Toolkit's trainer joins the manager's gradient copies once per step, before the optimizer; do the same
+    # (here only the LoRA trains and it lives on the device, so there is nothing to wait for, but it is called).
+    sync_grads = getattr(package, "sync_grad_transfers", None)
+
+    losses, times = [], []
+    stats_at_start = None
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup and mode == "layerstream":
+            stats_at_start = layerstream_stats()  # engine counters are cumulative: diff over the timed steps
+        _sync(device)
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(img, txt, vec).float().pow(2).mean()
+        loss.backward()
+        if sync_grads is not None:
+            sync_grads()
+        optimizer.step()
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        losses.append(loss.item())
+        if step >= args.warmup:
+            times.append(elapsed)
+        print(f"[{mode}] step {step}{' (warmup)' if step < args.warmup else ''}: {elapsed:.3f} s, "
+              f"loss {losses[-1]:.6g}", flush=True)
+
+    managed = managed_tensors(model)
+    managed_bytes = sum(t.nbytes for t in managed)
+    row = {
+        "mode": mode, "status": "ok", "device": str(device),
+        "s_per_step_mean": sum(times) / len(times), "s_per_step_min": min(times), "step_times_s": times,
+        "losses": losses, "weight_bytes": weight_bytes, "managed_bytes": managed_bytes,
+        "lora_params": sum(p.numel() for p in network.parameters()), "build_s": build_s, "place_s": place_s,
+        "peak_vram_allocated_bytes": None, "peak_vram_reserved_bytes": None, "peak_rss_bytes": peak_rss_bytes(),
+        "pinned_bytes": None, "pinned_bytes_exact": None, "bytes_per_step": None, "engine_stats": None,
+    }
+    if device.type == "cuda":
+        row["peak_vram_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        row["peak_vram_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    if mode == "resident":
+        row["pinned_bytes"] = row["pinned_bytes_exact"] = row["bytes_per_step"] = 0
+    elif mode == "stock":
+        row["pinned_bytes"], row["pinned_bytes_exact"] = stock_pinned_bytes(managed)
+        # The stock bounce fetches every managed layer at each call: forward, the checkpointed recompute, backward.
+        row["bytes_per_step"] = (3 if args.checkpointing else 2) * managed_bytes
+    else:
+        stats = layerstream_stats()
+        row["engine_stats"] = stats
+        if stats is not None:
+            row["pinned_bytes"] = stats.get("pinned_bytes")
+            if stats_at_start is not None and "bytes_h2d" in stats:
+                row["bytes_per_step"] = (stats["bytes_h2d"] - stats_at_start["bytes_h2d"]) / len(times)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Floor, report, driver
+# ---------------------------------------------------------------------------------------------------------
+
+
+def add_floors(rows: list[dict], h2d_bytes_per_s: float | None) -> float | None:
+    """Fill t_bus_s, floor_s and ratio_to_floor of each finished row; returns T_compute (None without a
+    resident run). The ratio uses the mean step time."""
+    resident = next((r for r in rows if r["mode"] == "resident" and r["status"] == "ok"), None)
+    t_compute = resident["s_per_step_mean"] if resident else None
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        moved = row["bytes_per_step"]
+        row["t_bus_s"] = moved / h2d_bytes_per_s if moved is not None and h2d_bytes_per_s else None
+        bounds = [t for t in (t_compute, row["t_bus_s"]) if t is not None]
+        row["floor_s"] = max(bounds) if bounds else None
+        row["ratio_to_floor"] = row["s_per_step_mean"] / row["floor_s"] if row["floor_s"] else None
+    return t_compute
+
+
+def _fmt(value, scale: float = 1.0, digits: int = 2) -> str:
+    return "-" if value is None else f"{value / scale:.{digits}f}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = [
+        "| mode | s/step mean (min) | peak VRAM GiB alloc / reserved | peak RSS GiB | pinned GiB (exact) "
+        "| GiB/step over bus | floor s | x floor | first loss |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['mode']} | {r['status']}: {r['reason']} | | | | | | | |")
+            continue
+        exact = "" if r["pinned_bytes_exact"] is None else f" ({_fmt(r['pinned_bytes_exact'], GiB)})"
+        lines.append(
+            f"| {r['mode']} | {_fmt(r['s_per_step_mean'], digits=3)} ({_fmt(r['s_per_step_min'], digits=3)}) "
+            f"| {_fmt(r['peak_vram_allocated_bytes'], GiB)} / {_fmt(r['peak_vram_reserved_bytes'], GiB)} "
+            f"| {_fmt(r['peak_rss_bytes'], GiB)} | {_fmt(r['pinned_bytes'], GiB)}{exact} "
+            f"| {_fmt(r['bytes_per_step'], GiB)} | {_fmt(r['floor_s'], digits=3)} "
+            f"| {_fmt(r['ratio_to_floor'])} | {r['losses'][0]:.6g} |"
+        )
+    return "\n".join(lines)
+
+
+def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: float | None) -> None:
+    cfg = PRESETS[args.preset]
+    meta = {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "preset": args.preset, "config": asdict(cfg), "checkpointing": args.checkpointing, "rank": args.rank,
+        "lora_init_nonzero": args.lora_init_nonzero, "offload_percent": args.offload_percent,
+        "vram_cap_gb": args.vram_cap_gb, "warmup": args.warmup, "steps": args.steps, "seed": args.seed,
+        "h2d_bytes_per_s": h2d_bytes_per_s, "t_compute_s": t_compute,
+    }
+    table = markdown_table(rows)
+    summary = (
+        f"pinned H2D: {_fmt(h2d_bytes_per_s, 1e9)} GB/s (1 GB = 1e9 B); T_compute: {_fmt(t_compute, digits=3)} s; "
+        "floor = max(T_compute, bytes over the bus / bandwidth); x floor uses the mean step time"
+    )
+    print()
+    print(table)
+    print(summary)
+    losses = "\n".join(f"  {r['mode']}: {', '.join(f'{x:.6g}' for x in r['losses'])}"
+                       for r in rows if r["status"] == "ok")
+    if losses:
+        print("losses per step (warmup included):\n" + losses)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2, default=str) + "\n")
+    if args.md_out:
+        Path(args.md_out).write_text(
+            f"# flux_bench: {args.preset}, mode {args.mode}\n\n"
+            f"- command: `{meta['command']}`\n- date: {meta['date']}\n- GPU: {meta['gpu'] or 'none (CPU)'}\n"
+            f"- torch: {meta['torch']}\n- config: {meta['config']}, checkpointing {args.checkpointing}, LoRA rank "
+            f"{args.rank}, offload_percent {args.offload_percent}, VRAM cap {args.vram_cap_gb or 'none'} GiB\n\n"
+            f"{table}\n\n{summary}\n\nlosses per step (warmup included):\n\n{losses}\n"
+        )
+
+
+def _strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """argv without the given value-taking options (``--x v`` and ``--x=v`` forms)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif not any(arg.startswith(name + "=") for name in names):
+            out.append(arg)
+    return out
+
+
+def run_all(argv: list[str]) -> list[dict]:
+    """Every mode in its own process: peak VRAM and RSS are per-process high-water marks."""
+    child_argv = _strip_options(argv, ("--mode", "--json-out", "--md-out"))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="flux_bench_") as tmp:
+        for mode in MODES:
+            out = Path(tmp) / f"{mode}.json"
+            cmd = [sys.executable, "-m", "layerstream.bench", *child_argv, "--mode", mode, "--json-out", str(out),
+                   "--child"]
+            print(f"== {mode}: {shlex.join(cmd)}", flush=True)
+            code = subprocess.run(cmd).returncode
+            if out.is_file():
+                rows.append(json.loads(out.read_text())["results"][0])
+            else:
+                rows.append({"mode": mode, "status": "failed",
+                             "reason": f"exit code {code}, no result (see its output above)"})
+    return rows
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    # allow_abbrev=False: `--mode all` rewrites the command line for its children by exact option names.
+    parser = argparse.ArgumentParser(prog="layerstream bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="flux1")
+    parser.add_argument("--mode", choices=(*MODES, "all"), default="all")
+    parser.add_argument("--aitk-dir", help="AI-Toolkit checkout (default: $AI_TOOLKIT_DIR)")
+    parser.add_argument("--offload-percent", type=float, default=1.0,
+                        help="AI-Toolkit's offload_percent: the fraction of linears the manager takes over")
+    parser.add_argument("--vram-cap-gb", type=float, help="cap this process's VRAM at this many GiB")
+    parser.add_argument("--rank", type=int, default=128, help="LoRA rank (alpha = rank)")
+    parser.add_argument("--lora-init-nonzero", action="store_true",
+                        help="start lora_up at N(0, 1e-3) instead of zero, so lora_down gets gradients too")
+    parser.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                        help="gradient checkpointing per block")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json-out", help="write the results as JSON")
+    parser.add_argument("--md-out", help="write the table as markdown, with the command, date, GPU and torch")
+    # Set by `--mode all` for its children: the parent measures the bandwidth and the floor once for all.
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if args.mode == "all":
+        rows = run_all(argv)
+    else:
+        device = torch.device("cuda") if cuda else torch.device("cpu")
+        torch.manual_seed(args.seed)
+        rows = [run_mode(args, args.mode, device)]
+        gc.collect()  # the LoRA wrappers and the layers reference each other: free the model before measuring
+        if cuda:
+            torch.cuda.empty_cache()
+    if args.child:
+        Path(args.json_out).write_text(json.dumps({"results": rows}, default=str) + "\n")
+        return 0
+    h2d = measure_h2d_bytes_per_s() if cuda else None
+    t_compute = add_floors(rows, h2d)
+    report(args, rows, h2d, t_compute)
+    return 0 if all(r["status"] != "failed" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
