@@ -29,6 +29,15 @@ class BackendTest : public ::testing::TestWithParam<std::string> {
   std::unique_ptr<Backend> backend_;
 };
 
+// Every stream, event and byte of device and pinned memory went back to the simulator.
+inline void expect_all_returned(const SimBackend& sim) {
+  const SimMemoryStats m = sim.memory_stats();
+  EXPECT_EQ(m.device_bytes, 0u);
+  EXPECT_EQ(m.pinned_bytes, 0u);
+  EXPECT_EQ(m.streams, 0u);
+  EXPECT_EQ(m.events, 0u);
+}
+
 #define LS_INSTANTIATE_ON_BACKENDS(suite)                                            \
   INSTANTIATE_TEST_SUITE_P(Backends, suite, ::testing::Values("sim", "cuda"),        \
                            [](const auto& info) { return info.param; })

@@ -157,11 +157,7 @@ TEST(SimBackend, ResourcesAreReturned) {
     EXPECT_EQ(sim.memory_stats().device_bytes, 1u << 16);
     EXPECT_EQ(sim.memory_stats().streams, 1u);
   }
-  const SimMemoryStats m = sim.memory_stats();
-  EXPECT_EQ(m.device_bytes, 0u);
-  EXPECT_EQ(m.pinned_bytes, 0u);
-  EXPECT_EQ(m.streams, 0u);
-  EXPECT_EQ(m.events, 0u);
+  expect_all_returned(sim);
 }
 
 TEST(SimBackend, ScrambledDelayedCopiesStillLandWhole) {

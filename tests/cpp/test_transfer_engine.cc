@@ -225,11 +225,7 @@ TEST(TransferEngineSim, TeardownReturnsEveryResource) {
     EXPECT_GT(sim.memory_stats().device_bytes, 0u);
     EXPECT_GT(sim.memory_stats().pinned_bytes, 0u);
   }
-  const SimMemoryStats m = sim.memory_stats();
-  EXPECT_EQ(m.device_bytes, 0u);
-  EXPECT_EQ(m.pinned_bytes, 0u);
-  EXPECT_EQ(m.streams, 0u);
-  EXPECT_EQ(m.events, 0u);
+  expect_all_returned(sim);
 }
 
 TEST(TransferEngineSim, RemovingEveryLayerReturnsTheHostMemory) {
