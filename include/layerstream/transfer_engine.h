@@ -72,6 +72,9 @@ struct EngineStats {
   std::uint64_t prefetches = 0;      // copies issued by prefetch()
   std::uint64_t prefetch_hits = 0;   // prefetched layers later fetched while still in the ring
   std::uint64_t prefetch_wasted = 0; // prefetched layers evicted before any fetch
+  std::uint64_t resident_hits = 0;   // fetches served by a resident layer
+  std::size_t resident_layers = 0;
+  std::size_t resident_bytes = 0;
   std::uint64_t evictions = 0;
   std::uint64_t bounce_chunks = 0;  // pieces staged through bounce buffers (pageable layers)
   std::uint64_t downloads = 0;
@@ -109,6 +112,13 @@ class TransferEngine {
   // has room without touching held regions. The region is not held: a later fetch holds it (a reuse),
   // or a later placement may evict it unused. Returns whether a copy was issued.
   bool prefetch(LayerId layer);
+  // Keeps `layer` on the device for good, in memory of its own outside the ring (from ring_allocator
+  // when one is set), so that its fetches never copy again. Returns false when the device has no room
+  // (nothing changes then). Host writes still apply: the next fetch after begin_host_write() copies anew.
+  bool make_resident(LayerId layer);
+  // Gives a resident layer's device memory back (after its last readers); it streams again.
+  void evict_resident(LayerId layer);
+  bool resident(LayerId layer) const;
   void wait_ready(const Lease& lease, StreamHandle consumer);
   // For readers on the host itself (the simulator's CPU compute): blocks until the copy has landed.
   // Release afterwards on any stream: work enqueued after host reads is ordered after them.
@@ -134,10 +144,14 @@ class TransferEngine {
     int leases = 0;
     bool owned = true;   // block allocated from arena_ (freed by remove_layer)
     bool prefetched_unused = false;
+    // Residency: a device copy of its own, never evicted by the ring.
+    DeviceBuffer resident;
+    bool resident_stale = false;  // host bytes changed since the resident copy was made
+    std::vector<std::pair<StreamHandle, Event>> resident_released;  // last release per consumer stream
   };
   struct Outstanding {
     LayerId layer;
-    RegionId region;
+    RegionId region;  // 0 for a lease on a resident layer
   };
 
   Layer& layer_locked(LayerId layer);
@@ -147,6 +161,9 @@ class TransferEngine {
   void settle_eviction_locked(Eviction& eviction);
   // Copies the layer into its freshly placed region and records `copied`.
   void copy_layer_locked(Layer& layer);
+  // Resident copies: make the H2D stream wait for the copy's readers, or the host (before freeing).
+  void wait_resident_readers_on_h2d_locked(Layer& layer);
+  void drop_resident_locked(Layer& layer);
   void discard_region_locked(Layer& layer);
 
   Backend& backend_;

@@ -25,6 +25,9 @@ TransferEngine::~TransferEngine() {
     backend_.stream_synchronize(h2d_.get());
     backend_.stream_synchronize(d2h_.get());
     ring_.synchronize_releases();  // readers on other streams, when the slab goes back to an allocator
+    for (auto& [id, layer] : layers_) {
+      for (auto& [stream, e] : layer.resident_released) e.synchronize();
+    }
   } catch (...) {
     // A failing device at teardown: the frees below synchronize implicitly on CUDA anyway.
   }
@@ -91,6 +94,7 @@ void TransferEngine::remove_layer(LayerId id) {
     LS_CHECK_ARG(layer.leases == 0, "remove_layer: layer ", id, " still has ", layer.leases,
                  " outstanding lease(s); release them first");
     discard_region_locked(layer);
+    drop_resident_locked(layer);
     layer.copied.synchronize();  // the last copy from its host bytes is done
     backend_.annotate_host_access(layer.block.data, layer.block.bytes, true);
     if (layer.owned) data = layer.block.data;
@@ -111,6 +115,7 @@ void TransferEngine::begin_host_write(LayerId id) {
   LS_CHECK_ARG(layer.leases == 0, "begin_host_write: layer ", id, " still has ", layer.leases,
                " outstanding lease(s); its device copy is in use");
   discard_region_locked(layer);
+  if (layer.resident.data() != nullptr) layer.resident_stale = true;  // recopied at the next fetch
   layer.copied.synchronize();
   backend_.annotate_host_access(layer.block.data, layer.block.bytes, true);
 }
@@ -118,7 +123,7 @@ void TransferEngine::begin_host_write(LayerId id) {
 bool TransferEngine::on_device(LayerId id) const {
   std::lock_guard<std::mutex> lock(mu_);
   const Layer& layer = layer_locked(id);
-  return layer.region != 0 && ring_.live(layer.region);
+  return layer.resident.data() != nullptr || (layer.region != 0 && ring_.live(layer.region));
 }
 
 void TransferEngine::copy_in_locked(const Layer& layer, void* device_dst) {
@@ -161,6 +166,23 @@ Lease TransferEngine::fetch(LayerId id) {
   lease.bytes = layer.block.bytes;
   lease.ready = layer.copied.get();
 
+  if (layer.resident.data() != nullptr) {
+    if (layer.resident_stale) {
+      wait_resident_readers_on_h2d_locked(layer);
+      copy_in_locked(layer, layer.resident.data());
+      layer.copied.record(h2d_.get());
+      ++stats_.copies_h2d;
+      stats_.bytes_h2d += layer.block.bytes;
+      layer.resident_stale = false;
+      lease.copied = true;
+    }
+    ++stats_.resident_hits;
+    lease.data = layer.resident.data();
+    lease.ticket = next_ticket_++;
+    leases_.emplace(lease.ticket, Outstanding{id, 0});
+    ++layer.leases;
+    return lease;
+  }
   if (layer.region != 0 && ring_.live(layer.region)) {
     ring_.hold(layer.region);
     ++stats_.reuse_hits;
@@ -183,7 +205,7 @@ Lease TransferEngine::fetch(LayerId id) {
 bool TransferEngine::prefetch(LayerId id) {
   std::lock_guard<std::mutex> lock(mu_);
   Layer& layer = layer_locked(id);
-  if (layer.region != 0 && ring_.live(layer.region)) return false;
+  if (layer.resident.data() != nullptr || (layer.region != 0 && ring_.live(layer.region))) return false;
   Eviction eviction;
   const RegionId region = ring_.try_place_unheld(layer.block.bytes, id, eviction);
   if (region == 0) return false;  // held regions leave no room now; the fetch will copy on demand
@@ -193,6 +215,59 @@ bool TransferEngine::prefetch(LayerId id) {
   layer.prefetched_unused = true;
   ++stats_.prefetches;
   return true;
+}
+
+bool TransferEngine::make_resident(LayerId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Layer& layer = layer_locked(id);
+  if (layer.resident.data() != nullptr) return true;
+  try {
+    layer.resident = DeviceBuffer(backend_, layer.block.bytes, options_.ring_allocator);
+  } catch (const Error&) {
+    return false;  // out of device memory: the layer keeps streaming
+  }
+  copy_in_locked(layer, layer.resident.data());
+  layer.copied.record(h2d_.get());
+  ++stats_.copies_h2d;
+  stats_.bytes_h2d += layer.block.bytes;
+  layer.resident_stale = false;
+  if (layer.leases == 0) discard_region_locked(layer);  // its ring copy is not needed any more
+  ++stats_.resident_layers;
+  stats_.resident_bytes += layer.block.bytes;
+  return true;
+}
+
+void TransferEngine::evict_resident(LayerId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Layer& layer = layer_locked(id);
+  LS_CHECK_ARG(layer.leases == 0, "evict_resident: layer ", id, " still has ", layer.leases,
+               " outstanding lease(s)");
+  drop_resident_locked(layer);
+}
+
+bool TransferEngine::resident(LayerId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return layer_locked(id).resident.data() != nullptr;
+}
+
+void TransferEngine::wait_resident_readers_on_h2d_locked(Layer& layer) {
+  for (auto& [stream, e] : layer.resident_released) backend_.stream_wait_event(h2d_.get(), e.get());
+}
+
+void TransferEngine::drop_resident_locked(Layer& layer) {
+  if (layer.resident.data() == nullptr) return;
+  // The memory may go straight back to an allocator that does not synchronize: wait for every reader
+  // and for the copies into it first.
+  for (auto& [stream, e] : layer.resident_released) {
+    e.synchronize();
+    events_.give(std::move(e));
+  }
+  layer.resident_released.clear();
+  layer.copied.synchronize();
+  --stats_.resident_layers;
+  stats_.resident_bytes -= layer.block.bytes;
+  layer.resident.reset();
+  layer.resident_stale = false;
 }
 
 void TransferEngine::settle_eviction_locked(Eviction& eviction) {
@@ -235,7 +310,7 @@ void* TransferEngine::device_data(const Lease& lease) const {
   auto it = leases_.find(lease.ticket);
   LS_CHECK_ARG(it != leases_.end(), "use after release: lease ", lease.ticket, " of layer ",
                lease.layer, " was already released; fetch the layer again");
-  return ring_.info(it->second.region).data;
+  return it->second.region == 0 ? lease.data : ring_.info(it->second.region).data;
 }
 
 void TransferEngine::release(const Lease& lease, StreamHandle consumer) {
@@ -243,8 +318,21 @@ void TransferEngine::release(const Lease& lease, StreamHandle consumer) {
   auto it = leases_.find(lease.ticket);
   LS_CHECK_ARG(it != leases_.end(), "release: lease ", lease.ticket, " of layer ", lease.layer,
                " was already released (or never fetched)");
-  ring_.release(it->second.region, consumer);
+  LS_CHECK_ARG(consumer, "release: null consumer stream");
   auto layer = layers_.find(it->second.layer);
+  if (it->second.region != 0) {
+    ring_.release(it->second.region, consumer);
+  } else if (layer != layers_.end()) {
+    // A resident layer: remember this reader, so that a recopy or a free waits for it.
+    auto& released = layer->second.resident_released;
+    auto same = std::find_if(released.begin(), released.end(),
+                             [&](const auto& entry) { return entry.first == consumer; });
+    if (same == released.end()) {
+      released.emplace_back(consumer, events_.take());
+      same = std::prev(released.end());
+    }
+    same->second.record(consumer);
+  }
   if (layer != layers_.end()) --layer->second.leases;
   leases_.erase(it);
 }

@@ -1,6 +1,6 @@
 // Randomized schedules under fault injection: thousands of seeded workloads drive the TransferEngine
-// through the reader protocol (with prefetches ahead of need mixed in) on the simulator, with random
-// delays and scrambled copies. Every byte a
+// through the reader protocol (with prefetches ahead of need and resident layers mixed in) on the
+// simulator, with random delays and scrambled copies. Every byte a
 // reader sees is compared with the host bytes at fetch time, and the happens-before checker must find no
 // race. The broken-protocol tests run the same workloads with a deliberate ordering bug and require the
 // checker to catch it, so a green run means something.
@@ -31,6 +31,7 @@ struct Outcome {
   std::uint64_t copies = 0;
   std::uint64_t reuse_hits = 0;
   std::uint64_t prefetches = 0;
+  std::uint64_t resident_hits = 0;
   std::string first_race;
 };
 
@@ -132,8 +133,15 @@ Outcome run_schedule(std::uint64_t seed, Protocol protocol) {
         read(b, layers[j], consumer);
         release(b, consumer);
         release(a, consumer);
-      } else if (what < 90) {
+      } else if (what < 88) {
         engine.prefetch(layers[pick(0, layers.size() - 1)].id);  // ahead of need; may be evicted unused
+      } else if (what < 90) {
+        const LayerId id = layers[pick(0, layers.size() - 1)].id;  // residency comes and goes
+        if (engine.resident(id)) {
+          engine.evict_resident(id);
+        } else {
+          engine.make_resident(id);
+        }
       } else if (what < 95) {
         Layer& layer = layers[pick(0, layers.size() - 1)];
         engine.begin_host_write(layer.id);
@@ -156,6 +164,7 @@ Outcome run_schedule(std::uint64_t seed, Protocol protocol) {
     outcome.copies = stats.copies_h2d;
     outcome.reuse_hits = stats.reuse_hits;
     outcome.prefetches = stats.prefetches;
+    outcome.resident_hits = stats.resident_hits;
   }
   outcome.races = sim.violation_count();
   outcome.checked_accesses = sim.checked_accesses();
@@ -184,6 +193,7 @@ TEST_P(Schedules, NoRaceAndNoCorruptionUnderFaultInjection) {
     total.copies += o.copies;
     total.reuse_hits += o.reuse_hits;
     total.prefetches += o.prefetches;
+    total.resident_hits += o.resident_hits;
     ++schedules;
   }
   // The schedules did real work: reads, copies, reuse, and the checker examined every access.
@@ -191,7 +201,8 @@ TEST_P(Schedules, NoRaceAndNoCorruptionUnderFaultInjection) {
   EXPECT_GT(total.reads, 20 * kSchedulesPerBlock);
   EXPECT_GT(total.copies, 5 * kSchedulesPerBlock);
   EXPECT_GT(total.reuse_hits, kSchedulesPerBlock);
-  EXPECT_GT(total.prefetches, kSchedulesPerBlock / 4);
+  EXPECT_GT(total.prefetches, kSchedulesPerBlock / 8);
+  EXPECT_GT(total.resident_hits, kSchedulesPerBlock / 4);
   EXPECT_GT(total.checked_accesses, 2 * total.reads);
   std::printf("block %llu: %llu schedules, %llu reads, %llu copies, %llu reuse hits, %llu accesses "
               "checked, 0 races, 0 corrupted reads\n",

@@ -182,7 +182,50 @@ TEST_P(TransferEngineTest, PrefetchNeverDisplacesHeldRegionsAndCountsWaste) {
   EXPECT_EQ(engine.stats().prefetch_hits, 2u);
 }
 
+TEST_P(TransferEngineTest, ResidentLayerIsCopiedOnceAndStaysFresh) {
+  TransferEngine engine(backend(), small_options(8192));
+  LayerId a = engine.add_layer(6000), b = engine.add_layer(4096), c = engine.add_layer(4096);
+  fill(engine, a, 1), fill(engine, b, 2), fill(engine, c, 3);
+  ASSERT_TRUE(engine.make_resident(a));
+  EXPECT_TRUE(engine.make_resident(a));  // already
+  for (int round = 0; round < 3; ++round) {  // b and c take turns in the ring; a never moves
+    EXPECT_EQ(use(engine, b), host_bytes(engine, b));
+    EXPECT_EQ(use(engine, c), host_bytes(engine, c));
+    Lease l;
+    EXPECT_EQ(use(engine, a, &l), host_bytes(engine, a));
+    EXPECT_FALSE(l.copied);
+  }
+  EXPECT_EQ(engine.stats().resident_hits, 3u);
+  EXPECT_EQ(engine.stats().resident_bytes, 6000u);
+  engine.begin_host_write(a);  // new host bytes: the next fetch copies again, into the same memory
+  fill(engine, a, 77);
+  Lease l;
+  EXPECT_EQ(use(engine, a, &l), host_bytes(engine, a));
+  EXPECT_TRUE(l.copied);
+  EXPECT_TRUE(engine.on_device(a));
+  engine.evict_resident(a);
+  EXPECT_FALSE(engine.resident(a));
+  EXPECT_EQ(engine.stats().resident_layers, 0u);
+  EXPECT_EQ(use(engine, a), host_bytes(engine, a));  // streams again
+}
+
 LS_INSTANTIATE_ON_BACKENDS(TransferEngineTest);
+
+TEST(TransferEngineSim, ResidencyThatDoesNotFitIsRefusedAndNothingChanges) {
+  SimOptions sim_options;
+  sim_options.device_capacity_bytes = 16384 + 4096;  // the ring and one small layer
+  SimBackend sim(sim_options);
+  TransferEngine engine(sim, small_options(16384));
+  LayerId small = engine.add_layer(4096), big = engine.add_layer(8192);
+  EXPECT_TRUE(engine.make_resident(small));
+  EXPECT_FALSE(engine.make_resident(big));
+  EXPECT_FALSE(engine.resident(big));
+  Stream compute(sim);
+  Lease l = engine.fetch(big);
+  engine.wait_ready(l, compute.get());
+  engine.release(l, compute.get());
+  EXPECT_TRUE(l.copied);
+}
 
 // ---- sim-only: fallback staging and teardown -----------------------------------------------------------
 
