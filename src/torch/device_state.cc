@@ -29,13 +29,14 @@ std::vector<std::weak_ptr<DeviceState>>& registry() {
   return *r;
 }
 
-std::size_t env_mib(const char* name, std::size_t fallback) {
+std::size_t env_mib(const char* name, std::size_t fallback, bool allow_zero = false) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return fallback;
   char* end = nullptr;
   const unsigned long long mib = std::strtoull(v, &end, 10);
-  LS_CHECK_ARG(end != v && *end == '\0' && mib > 0, name, "=", v,
-               " is not a positive whole number of MiB; unset it or give e.g. ", name, "=1024");
+  LS_CHECK_ARG(end != v && *end == '\0' && (mib > 0 || allow_zero), name, "=", v,
+               " is not a ", allow_zero ? "" : "positive ", "whole number of MiB; unset it or give e.g. ", name,
+               "=1024");
   return static_cast<std::size_t>(mib) * kMiB;
 }
 
@@ -65,6 +66,7 @@ HostBlockRef::~HostBlockRef() {
 
 DeviceState::DeviceState(const c10::Device& device, Mode mode) : device_(device), mode_(mode) {
   if (const char* p = std::getenv("LAYERSTREAM_PREFETCH"); p != nullptr && std::string(p) == "0") prefetch_ = false;
+  resident_budget_ = env_mib("LAYERSTREAM_RESIDENT_MB", 0, /*allow_zero=*/true);
   pool_ = std::make_shared<HostPool>();
   ArenaOptions arena;
   arena.chunk_bytes = env_mib("LAYERSTREAM_CHUNK_MB", 256 * kMiB);
@@ -191,6 +193,14 @@ void DeviceState::note_use(LayerId layer) {
     if (planned > budget) break;
     engine_->prefetch(next);
   }
+}
+
+void DeviceState::consider_residency(TransferEngine& engine, LayerId layer, std::size_t bytes) {
+  if (resident_budget_ == 0) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  // The engine's own count: layers re-packed or removed give their share back by themselves.
+  if (engine.stats().resident_bytes + bytes > resident_budget_) return;
+  engine.make_resident(layer);  // false (no device room) leaves it streaming
 }
 
 TransferEngine* DeviceState::current_engine() {

@@ -84,6 +84,9 @@ class DeviceState {
   // access predictor expects next, up to a third of the ring, so that they arrive ahead of need.
   // LAYERSTREAM_PREFETCH=0 turns this off (copies then happen only when a layer is called).
   void note_use(LayerId layer);
+  // Called once per layer registered in the engine: keeps it resident on the device while the
+  // LAYERSTREAM_RESIDENT_MB budget lasts (first come, first kept: forward order), streams it otherwise.
+  void consider_residency(TransferEngine& engine, LayerId layer, std::size_t bytes);
 
   // The stream consumers release on: torch's current stream (CUDA) or the host's proxy stream (sim).
   StreamHandle consumer_stream();
@@ -111,6 +114,7 @@ class DeviceState {
   std::uint64_t engines_built_ = 0;
   EngineStats retired_;  // counters of engines replaced by a larger one
   bool prefetch_ = true;
+  std::size_t resident_budget_ = 0;  // LAYERSTREAM_RESIDENT_MB
   AccessPredictor predictor_;
   std::uint64_t predictor_generation_ = 0;  // the engine generation whose layer ids it has seen
   std::vector<at::Tensor> download_sources_;

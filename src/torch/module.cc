@@ -328,6 +328,9 @@ py::dict stats_dict(const StateStats& s) {
   d["predicted_uses"] = s.predictor.predicted;
   d["predicted_correctly"] = s.predictor.correct;
   d["sim_races"] = s.sim_races;
+  d["resident_hits"] = s.engine.resident_hits;
+  d["resident_layers"] = s.engine.resident_layers;
+  d["resident_bytes"] = s.engine.resident_bytes;
   return d;
 }
 

@@ -176,6 +176,7 @@ TransferEngine& StreamedLayer::registered_engine() {
   if (id_ == 0 || generation_ != state_->generation()) {
     id_ = engine.add_external_layer(block_->block());
     generation_ = state_->generation();
+    state_->consider_residency(engine, id_, block_->block().bytes);
   }
   return engine;
 }

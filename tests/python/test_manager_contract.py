@@ -365,3 +365,33 @@ def test_prefetch_learns_the_step_order_without_changing_results(engine, device,
     # From the second step on, (nearly) every use was predicted and most copies were issued ahead of need.
     assert stats["predicted_correctly"] >= 0.7 * stats["fetches"]
     assert stats["prefetch_hits"] > 0.5 * stats["prefetches"]
+
+
+# ---- residency --------------------------------------------------------------------------------------
+
+def test_resident_budget_keeps_layers_on_the_device_and_changes_no_result(engine, device, monkeypatch):
+    if engine == "cpu":
+        pytest.skip("the CPU mode has no device to keep layers on")
+    monkeypatch.setenv("LAYERSTREAM_RING_MB", "4")
+    monkeypatch.setenv("LAYERSTREAM_PREFETCH", "0")  # count on-demand copies only
+    torch.manual_seed(9)
+    base = TinyTransformer(d=256, ff=512, layers=4, checkpointing="non_reentrant").requires_grad_(False)
+    resident = copy.deepcopy(base).to(device)
+    ref_loras = [lo.to(device) for lo in apply_lora(resident)]
+    ref_losses = train_lora(resident, ref_loras, device, 3)
+    runs = {}
+    for budget in ("0", "3"):  # MiB: nothing resident, then about a third of the model's 8 MiB
+        monkeypatch.setenv("LAYERSTREAM_RESIDENT_MB", budget)
+        for key in list(mm._DEVICE_STATE):
+            del mm._DEVICE_STATE[key]
+        managed = copy.deepcopy(base)
+        ContractManager.attach(mm, managed, device).to_device()
+        loras = [lo.to(device) for lo in apply_lora(managed)]
+        assert train_lora(managed, loras, device, 3, mm.sync_grad_transfers) == ref_losses
+        runs[budget] = mm._DEVICE_STATE[device].stats()
+    with_budget, without = runs["3"], runs["0"]
+    assert without["resident_bytes"] == 0
+    assert 0 < with_budget["resident_bytes"] <= 3 << 20
+    assert with_budget["resident_hits"] > 0
+    # Resident layers crossed the bus once instead of at most every use.
+    assert with_budget["bytes_h2d"] < without["bytes_h2d"] - with_budget["resident_bytes"]
