@@ -88,9 +88,7 @@ class DeviceRing {
     std::size_t bytes;
     std::uint64_t owner;
     int holds;
-    // The last release recorded on each consumer stream; a later release on the same stream re-records
-    // that stream's event (stream order makes the older capture redundant), so this stays small.
-    std::vector<std::pair<StreamHandle, Event>> released;
+    ReleaseRecord released;
   };
 
   void evict(std::map<RegionId, Region>::iterator it, Eviction& eviction);

@@ -41,4 +41,37 @@ class EventPool {
   std::size_t created_ = 0;
 };
 
+// The readers of one piece of device memory, as the last "released" event recorded on each consumer
+// stream. A later release on the same stream re-records that stream's event (stream order makes the
+// older capture redundant), so this holds one event per distinct consumer stream.
+class ReleaseRecord {
+ public:
+  void record(StreamHandle consumer, EventPool& pool) {
+    for (auto& [stream, event] : entries_) {
+      if (stream == consumer) {
+        event.record(consumer);
+        return;
+      }
+    }
+    entries_.emplace_back(consumer, pool.take());
+    entries_.back().second.record(consumer);
+  }
+  // Makes `stream` wait (on the device) for every recorded reader.
+  void wait_on(Backend& backend, StreamHandle stream) const {
+    for (const auto& [consumer, event] : entries_) backend.stream_wait_event(stream, event.get());
+  }
+  // Blocks the host until every recorded reader is done.
+  void synchronize() const {
+    for (const auto& [consumer, event] : entries_) event.synchronize();
+  }
+  // Hands the events over (to wait on them, then recycle them) and forgets them.
+  void move_events_to(std::vector<Event>& out) {
+    for (auto& [consumer, event] : entries_) out.push_back(std::move(event));
+    entries_.clear();
+  }
+
+ private:
+  std::vector<std::pair<StreamHandle, Event>> entries_;
+};
+
 }  // namespace layerstream

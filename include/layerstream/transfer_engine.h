@@ -147,7 +147,7 @@ class TransferEngine {
     // Residency: a device copy of its own, never evicted by the ring.
     DeviceBuffer resident;
     bool resident_stale = false;  // host bytes changed since the resident copy was made
-    std::vector<std::pair<StreamHandle, Event>> resident_released;  // last release per consumer stream
+    ReleaseRecord resident_released;
   };
   struct Outstanding {
     LayerId layer;

@@ -26,7 +26,7 @@ DeviceRing::DeviceRing(Backend& backend, std::size_t capacity_bytes, std::size_t
 }
 
 void DeviceRing::evict(std::map<RegionId, Region>::iterator it, Eviction& eviction) {
-  for (auto& [stream, e] : it->second.released) eviction.wait_events.push_back(std::move(e));
+  it->second.released.move_events_to(eviction.wait_events);
   eviction.owners.push_back(it->second.owner);
   regions_.erase(it);
 }
@@ -103,14 +103,7 @@ void DeviceRing::release(RegionId region, StreamHandle consumer) {
   LS_CHECK_ARG(it->second.holds > 0, "DeviceRing::release: region ", region,
                " is not held (released more often than fetched)");
   LS_CHECK_ARG(consumer, "DeviceRing::release: null consumer stream");
-  auto& released = it->second.released;
-  auto same = std::find_if(released.begin(), released.end(),
-                           [&](const auto& entry) { return entry.first == consumer; });
-  if (same == released.end()) {
-    released.emplace_back(consumer, events_.take());
-    same = std::prev(released.end());
-  }
-  same->second.record(consumer);
+  it->second.released.record(consumer, events_);
   --it->second.holds;
 }
 
@@ -124,7 +117,7 @@ void DeviceRing::discard(RegionId region, Eviction& eviction) {
 
 void DeviceRing::synchronize_releases() {
   for (auto& [id, r] : regions_) {
-    for (auto& [stream, e] : r.released) e.synchronize();
+    r.released.synchronize();
   }
 }
 

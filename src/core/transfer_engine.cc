@@ -26,7 +26,7 @@ TransferEngine::~TransferEngine() {
     backend_.stream_synchronize(d2h_.get());
     ring_.synchronize_releases();  // readers on other streams, when the slab goes back to an allocator
     for (auto& [id, layer] : layers_) {
-      for (auto& [stream, e] : layer.resident_released) e.synchronize();
+      layer.resident_released.synchronize();
     }
   } catch (...) {
     // A failing device at teardown: the frees below synchronize implicitly on CUDA anyway.
@@ -251,18 +251,17 @@ bool TransferEngine::resident(LayerId id) const {
 }
 
 void TransferEngine::wait_resident_readers_on_h2d_locked(Layer& layer) {
-  for (auto& [stream, e] : layer.resident_released) backend_.stream_wait_event(h2d_.get(), e.get());
+  layer.resident_released.wait_on(backend_, h2d_.get());
 }
 
 void TransferEngine::drop_resident_locked(Layer& layer) {
   if (layer.resident.data() == nullptr) return;
   // The memory may go straight back to an allocator that does not synchronize: wait for every reader
   // and for the copies into it first.
-  for (auto& [stream, e] : layer.resident_released) {
-    e.synchronize();
-    events_.give(std::move(e));
-  }
-  layer.resident_released.clear();
+  layer.resident_released.synchronize();
+  std::vector<Event> done;
+  layer.resident_released.move_events_to(done);
+  events_.give(done);
   layer.copied.synchronize();
   --stats_.resident_layers;
   stats_.resident_bytes -= layer.block.bytes;
@@ -324,14 +323,7 @@ void TransferEngine::release(const Lease& lease, StreamHandle consumer) {
     ring_.release(it->second.region, consumer);
   } else if (layer != layers_.end()) {
     // A resident layer: remember this reader, so that a recopy or a free waits for it.
-    auto& released = layer->second.resident_released;
-    auto same = std::find_if(released.begin(), released.end(),
-                             [&](const auto& entry) { return entry.first == consumer; });
-    if (same == released.end()) {
-      released.emplace_back(consumer, events_.take());
-      same = std::prev(released.end());
-    }
-    same->second.record(consumer);
+    layer->second.resident_released.record(consumer, events_);
   }
   if (layer != layers_.end()) --layer->second.leases;
   leases_.erase(it);
