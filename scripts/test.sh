@@ -16,6 +16,7 @@ fi
 
 BUILD="${LAYERSTREAM_TEST_BUILD:-build/tests}"
 cmake -S . -B "$BUILD" -G Ninja -DLAYERSTREAM_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DLAYERSTREAM_CUDA="${LAYERSTREAM_CUDA:-AUTO}" \
   ${LAYERSTREAM_GTEST_SOURCE:+-DLAYERSTREAM_GTEST_SOURCE="$LAYERSTREAM_GTEST_SOURCE"} ${CMAKE_ARGS:-}
 cmake --build "$BUILD"
 ctest --test-dir "$BUILD" --output-on-failure -j "$(nproc)"
