@@ -83,6 +83,8 @@ fi
 
 if [[ $WHAT != tests && -n "${AI_TOOLKIT_DIR:-}" ]]; then
   python3 -c 'import layerstream.manager_modules' 2>/dev/null || run pip_install python3 -m pip install --no-build-isolation --no-deps .
+  step "per-call host overhead"
+  run call_overhead python3 benchmarks/call_overhead.py --aitk-dir "${AI_TOOLKIT_DIR%%:*}"
   step "benchmark: FLUX.1-shaped, LoRA rank 128, checkpointing, 100% offloaded"
   run flux_bench python3 benchmarks/flux_bench.py --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --mode all \
     --aitk-dir "${AI_TOOLKIT_DIR%%:*}" --md-out "$OUT/flux_bench.md" --json-out "$OUT/flux_bench.json"
