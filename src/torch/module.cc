@@ -10,6 +10,7 @@
 // its `_layer_memory_manager` object, so no reference cycle hides from Python's garbage collector.
 #include <torch/csrc/utils/pybind.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -351,6 +352,49 @@ py::dict stats() {
   return total;
 }
 
+// Core messages go to Python's `logging` (logger "layerstream"), from any thread; during interpreter
+// shutdown, to stderr.
+void route_log_to_python() {
+  set_log_sink([](LogLevel level, const std::string& message) {
+#if PY_VERSION_HEX >= 0x030D0000
+    const bool finalizing = Py_IsFinalizing();
+#else
+    const bool finalizing = _Py_IsFinalizing();
+#endif
+    if (!Py_IsInitialized() || finalizing) {
+      std::fprintf(stderr, "layerstream: %s\n", message.c_str());
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    try {
+      py::module_::import("logging").attr("getLogger")("layerstream").attr("log")(static_cast<int>(level), message);
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("layerstream log sink");
+    }
+  });
+}
+
+// Once every LAYERSTREAM_LOG_EVERY optimizer steps (default 100; 0: never), an INFO line with what the
+// steps since the last one moved. AI-Toolkit calls sync_grad_transfers() once per optimizer step.
+void log_step_telemetry() {
+  static std::uint64_t steps = 0;
+  static py::dict* last = nullptr;
+  const char* every_env = std::getenv("LAYERSTREAM_LOG_EVERY");
+  const std::uint64_t every = every_env ? std::strtoull(every_env, nullptr, 10) : 100;
+  if (every == 0 || ++steps % every != 0) return;
+  py::dict now = stats();
+  if (last == nullptr) last = new py::dict(stats_dict(StateStats{}));
+  auto delta = [&](const char* key) {
+    return (now[key].cast<double>() - (*last)[key].cast<double>()) / static_cast<double>(every);
+  };
+  log(LogLevel::kInfo,
+      layerstream::detail::concat("layerstream, per step over the last ", every, " steps: ", delta("fetches"), " layer calls, ",
+                     delta("copies_h2d"), " copies (", delta("bytes_h2d") / 1e9, " GB), ", delta("reuse_hits"),
+                     " served from the ring, ", delta("prefetch_hits"), " prefetch hits, ", delta("resident_hits"),
+                     " resident; pinned ", now["pinned_bytes"].cast<double>() / 1e9, " GB"));
+  *last = now;
+}
+
 void check_torch_version() {
   const std::string running = torch_module().attr("__version__").cast<std::string>();
   const std::string built = LAYERSTREAM_TORCH_BUILT_WITH;
@@ -366,6 +410,7 @@ void check_torch_version() {
 
 PYBIND11_MODULE(manager_modules, m) {
   check_torch_version();
+  route_log_to_python();
   m.doc() = "layerstream's drop-in replacement for AI-Toolkit's toolkit/memory_management/manager_modules.py";
 
   py::register_exception_translator([](std::exception_ptr p) {
@@ -412,9 +457,12 @@ PYBIND11_MODULE(manager_modules, m) {
 
   m.attr("_DEVICE_STATE") = device_state_dict();
   m.def("sync_grad_transfers", [] {
-    auto states = DeviceState::live();
-    py::gil_scoped_release nogil;
-    for (const auto& s : states) s->sync_downloads();
+    {
+      auto states = DeviceState::live();
+      py::gil_scoped_release nogil;
+      for (const auto& s : states) s->sync_downloads();
+    }
+    log_step_telemetry();
   }, "Joins every pending device-to-host gradient copy (call before reading .grad or stepping).");
   m.def("stats", &stats, "Totals over every live device state: bytes moved, reuse, host memory.");
   m.def("live_device_states", [] { return DeviceState::live().size(); },

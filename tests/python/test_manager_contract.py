@@ -395,3 +395,20 @@ def test_resident_budget_keeps_layers_on_the_device_and_changes_no_result(engine
     assert with_budget["resident_hits"] > 0
     # Resident layers crossed the bus once instead of at most every use.
     assert with_budget["bytes_h2d"] < without["bytes_h2d"] - with_budget["resident_bytes"]
+
+
+# ---- telemetry --------------------------------------------------------------------------------------
+
+def test_step_telemetry_reaches_python_logging(engine, device, monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setenv("LAYERSTREAM_LOG_EVERY", "2")
+    layer = managed_copy(torch.nn.Linear(16, 16), device)
+    with caplog.at_level(logging.INFO, logger="layerstream"):
+        for _ in range(4):  # four optimizer steps: two telemetry lines
+            layer(torch.randn(2, 16, device=device))
+            mm.sync_grad_transfers()
+    lines = [r.getMessage() for r in caplog.records if "per step over the last 2 steps" in r.getMessage()]
+    assert len(lines) == 2
+    if engine != "cpu":  # the CPU mode computes directly: no engine, nothing to count
+        assert "1 layer calls" in lines[-1]
