@@ -6,7 +6,6 @@ Exit status 1 when any line FAILs.
 
 from __future__ import annotations
 
-import resource
 import shutil
 import subprocess
 import time
@@ -31,6 +30,10 @@ def _check_extension() -> Line:
 
 
 def _memlock() -> Line:
+    try:
+        import resource  # POSIX only
+    except ImportError:
+        return Line("OK", "ulimit -l", "not applicable on this platform")
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if soft == resource.RLIM_INFINITY:
         return Line("OK", "ulimit -l", "unlimited")

@@ -13,6 +13,10 @@
 #include <set>
 #include <thread>
 
+#ifdef _WIN32
+#include <malloc.h>
+#endif
+
 #include "layerstream/check.h"
 #include "race_checker.h"
 
@@ -43,6 +47,24 @@ struct SimStream {
   std::mt19937_64 rng;
   std::thread worker;
 };
+
+// Aligned host memory standing in for device and pinned allocations (MSVC has no std::aligned_alloc).
+void* aligned_allocate(std::size_t bytes) {
+  const std::size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+#ifdef _WIN32
+  return _aligned_malloc(rounded, kAlignment);
+#else
+  return std::aligned_alloc(kAlignment, rounded);
+#endif
+}
+
+void aligned_free(void* p) {
+#ifdef _WIN32
+  _aligned_free(p);
+#else
+  std::free(p);
+#endif
+}
 
 void spin_for_us(unsigned us) {
   const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
@@ -179,8 +201,8 @@ SimBackend::~SimBackend() {
   }
   for (SimStream* s : leftover) stream_destroy(StreamHandle{s});
   for (SimEvent* e : impl_->events) delete e;
-  for (auto& [p, n] : impl_->device_allocs) std::free(p);
-  for (auto& [p, n] : impl_->pinned_allocs) std::free(p);
+  for (auto& [p, n] : impl_->device_allocs) aligned_free(p);
+  for (auto& [p, n] : impl_->pinned_allocs) aligned_free(p);
 }
 
 std::string SimBackend::name() const { return detail::concat("sim:", impl_->options.device); }
@@ -295,7 +317,7 @@ void* SimBackend::host_alloc_pinned(std::size_t bytes) {
   LS_CHECK_ARG(bytes > 0, "host_alloc_pinned: size must be positive");
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->pinned_bytes + bytes > impl_->options.pinned_capacity_bytes) return nullptr;
-  void* p = std::aligned_alloc(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+  void* p = aligned_allocate(bytes);
   if (p == nullptr) return nullptr;
   impl_->pinned_allocs[p] = bytes;
   impl_->pinned_bytes += bytes;
@@ -311,7 +333,7 @@ void SimBackend::host_free_pinned(void* ptr) noexcept {
   impl_->checker.forget(ptr, it->second);
   impl_->pinned_bytes -= it->second;
   impl_->pinned_allocs.erase(it);
-  std::free(ptr);
+  aligned_free(ptr);
 }
 
 bool SimBackend::host_register(void* ptr, std::size_t bytes) {
@@ -337,7 +359,7 @@ void* SimBackend::device_alloc(std::size_t bytes) {
   LS_CHECK_ARG(bytes > 0, "device_alloc: size must be positive");
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->device_bytes + bytes > impl_->options.device_capacity_bytes) return nullptr;
-  void* p = std::aligned_alloc(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+  void* p = aligned_allocate(bytes);
   if (p == nullptr) return nullptr;
   impl_->device_allocs[p] = bytes;
   impl_->device_bytes += bytes;
@@ -353,7 +375,7 @@ void SimBackend::device_free(void* ptr) noexcept {
   impl_->checker.forget(ptr, it->second);
   impl_->device_bytes -= it->second;
   impl_->device_allocs.erase(it);
-  std::free(ptr);
+  aligned_free(ptr);
 }
 
 std::pair<std::size_t, std::size_t> SimBackend::device_memory_info() {
