@@ -79,6 +79,9 @@ struct EngineStats {
   std::uint64_t bounce_chunks = 0;  // pieces staged through bounce buffers (pageable layers)
   std::uint64_t downloads = 0;
   std::uint64_t bytes_d2h = 0;
+  // Adds the cumulative counters above (not the gauges below) of `other`, e.g. of a retired engine.
+  void add_counters(const EngineStats& other);
+
   std::size_t layers = 0;
   std::size_t leases_outstanding = 0;
   std::size_t downloads_pending = 0;

@@ -7,6 +7,21 @@
 
 namespace layerstream {
 
+void EngineStats::add_counters(const EngineStats& other) {
+  fetches += other.fetches;
+  copies_h2d += other.copies_h2d;
+  bytes_h2d += other.bytes_h2d;
+  reuse_hits += other.reuse_hits;
+  prefetches += other.prefetches;
+  prefetch_hits += other.prefetch_hits;
+  prefetch_wasted += other.prefetch_wasted;
+  resident_hits += other.resident_hits;
+  evictions += other.evictions;
+  bounce_chunks += other.bounce_chunks;
+  downloads += other.downloads;
+  bytes_d2h += other.bytes_d2h;
+}
+
 TransferEngine::TransferEngine(Backend& backend, EngineOptions options)
     : backend_(backend),
       options_(options),

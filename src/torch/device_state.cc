@@ -40,17 +40,6 @@ std::size_t env_mib(const char* name, std::size_t fallback, bool allow_zero = fa
   return static_cast<std::size_t>(mib) * kMiB;
 }
 
-void add_counters(EngineStats& into, const EngineStats& from) {
-  into.fetches += from.fetches;
-  into.copies_h2d += from.copies_h2d;
-  into.bytes_h2d += from.bytes_h2d;
-  into.reuse_hits += from.reuse_hits;
-  into.evictions += from.evictions;
-  into.bounce_chunks += from.bounce_chunks;
-  into.downloads += from.downloads;
-  into.bytes_d2h += from.bytes_d2h;
-}
-
 }  // namespace
 
 HostBlockRef::HostBlockRef(std::shared_ptr<HostPool> pool, std::size_t bytes)
@@ -142,7 +131,7 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
     const EngineStats old = engine_->stats();
     LS_CHECK(old.leases_outstanding == 0, "cannot grow the device ring while ", old.leases_outstanding,
              " layer(s) are in use; attach every layer before the first forward");
-    add_counters(retired_, old);
+    retired_.add_counters(old);
     engine_.reset();
   }
   EngineOptions options;
@@ -242,7 +231,7 @@ StateStats DeviceState::stats() {
   std::lock_guard<std::mutex> lock(mu_);
   StateStats s;
   if (engine_) s.engine = engine_->stats();
-  add_counters(s.engine, retired_);
+  s.engine.add_counters(retired_);
   s.engine.arena = pool_->arena->stats();
   s.engines_built = engines_built_;
   s.predictor = predictor_.stats();

@@ -253,6 +253,23 @@ TEST(TransferEngineSim, PageableLayersAreStagedThroughBounceBuffers) {
   EXPECT_EQ(sim.violation_count(), 0u) << sim.violations().front();
 }
 
+TEST(EngineStatsTest, AddCountersSumsEveryCounterAndNoGauge) {
+  EngineStats a, b;
+  b.fetches = 1, b.copies_h2d = 2, b.bytes_h2d = 3, b.reuse_hits = 4, b.prefetches = 5;
+  b.prefetch_hits = 6, b.prefetch_wasted = 7, b.resident_hits = 8, b.evictions = 9;
+  b.bounce_chunks = 10, b.downloads = 11, b.bytes_d2h = 12, b.layers = 13, b.resident_bytes = 14;
+  a.add_counters(b);
+  a.add_counters(b);
+  EXPECT_EQ(a.fetches + a.copies_h2d + a.bytes_h2d + a.reuse_hits + a.prefetches + a.prefetch_hits +
+                a.prefetch_wasted + a.resident_hits + a.evictions + a.bounce_chunks + a.downloads +
+                a.bytes_d2h,
+            2u * (1 + 2 + 3 + 4 + 5 + 6 + 7 + 8 + 9 + 10 + 11 + 12));
+  EXPECT_EQ(a.prefetch_wasted, 14u);
+  EXPECT_EQ(a.resident_hits, 16u);
+  EXPECT_EQ(a.layers, 0u);          // gauges describe one engine: not summed
+  EXPECT_EQ(a.resident_bytes, 0u);
+}
+
 TEST(TransferEngineSim, TeardownReturnsEveryResource) {
   SimBackend sim;
   {
