@@ -135,6 +135,7 @@ class TransferEngine {
   void sync_downloads();
 
   EngineStats stats() const;
+  std::size_t ring_capacity() const { return ring_.capacity(); }  // fixed at construction
   Backend& backend() const { return backend_; }
   StreamHandle h2d_stream() const { return h2d_.get(); }
   StreamHandle d2h_stream() const { return d2h_.get(); }

@@ -125,7 +125,7 @@ std::size_t DeviceState::ring_bytes_for(std::size_t layer_bytes) const {
 
 TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (engine_ && engine_->stats().ring_capacity >= layer_bytes) return *engine_;
+  if (engine_ && engine_->ring_capacity() >= layer_bytes) return *engine_;
   LS_CHECK(mode_ != Mode::kCpu, "internal: the engine is not used on a CPU process device");
   if (engine_) {
     const EngineStats old = engine_->stats();
@@ -170,7 +170,7 @@ void DeviceState::note_use(LayerId layer) {
     predictor_generation_ = generation_;
   }
   predictor_.observe(layer);
-  const std::size_t budget = engine_->stats().ring_capacity / 3;
+  const std::size_t budget = engine_->ring_capacity() / 3;
   std::size_t planned = 0;
   for (LayerId next : predictor_.predict(kLookahead)) {
     if (next == layer) continue;
