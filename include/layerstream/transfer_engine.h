@@ -160,6 +160,8 @@ class TransferEngine {
 
   Layer& layer_locked(LayerId layer);
   const Layer& layer_locked(LayerId layer) const;
+  // Operations that change a layer's host bytes or device copy refuse while a lease reads it.
+  void check_not_in_use_locked(const Layer& layer, LayerId id, const char* operation) const;
   void copy_in_locked(const Layer& layer, void* device_dst);
   // Waits (on H2D) for what a placement displaced and forgets the evicted layers' regions.
   void settle_eviction_locked(Eviction& eviction);

@@ -60,6 +60,11 @@ const TransferEngine::Layer& TransferEngine::layer_locked(LayerId layer) const {
   return it->second;
 }
 
+void TransferEngine::check_not_in_use_locked(const Layer& layer, LayerId id, const char* operation) const {
+  LS_CHECK_ARG(layer.leases == 0, operation, ": layer ", id, " still has ", layer.leases,
+               " outstanding lease(s); release them first");
+}
+
 LayerId TransferEngine::add_layer(std::size_t bytes) {
   LS_CHECK_ARG(bytes > 0, "add_layer: a layer must have at least one byte");
   LS_CHECK_ARG(bytes <= ring_.capacity(), "a layer of ", bytes,
@@ -106,8 +111,7 @@ void TransferEngine::remove_layer(LayerId id) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     Layer& layer = layer_locked(id);
-    LS_CHECK_ARG(layer.leases == 0, "remove_layer: layer ", id, " still has ", layer.leases,
-                 " outstanding lease(s); release them first");
+    check_not_in_use_locked(layer, id, "remove_layer");
     discard_region_locked(layer);
     drop_resident_locked(layer);
     layer.copied.synchronize();  // the last copy from its host bytes is done
@@ -127,8 +131,7 @@ HostBlock TransferEngine::host_block(LayerId layer) const {
 void TransferEngine::begin_host_write(LayerId id) {
   std::lock_guard<std::mutex> lock(mu_);
   Layer& layer = layer_locked(id);
-  LS_CHECK_ARG(layer.leases == 0, "begin_host_write: layer ", id, " still has ", layer.leases,
-               " outstanding lease(s); its device copy is in use");
+  check_not_in_use_locked(layer, id, "begin_host_write");
   discard_region_locked(layer);
   if (layer.resident.data() != nullptr) layer.resident_stale = true;  // recopied at the next fetch
   layer.copied.synchronize();
@@ -255,8 +258,7 @@ bool TransferEngine::make_resident(LayerId id) {
 void TransferEngine::evict_resident(LayerId id) {
   std::lock_guard<std::mutex> lock(mu_);
   Layer& layer = layer_locked(id);
-  LS_CHECK_ARG(layer.leases == 0, "evict_resident: layer ", id, " still has ", layer.leases,
-               " outstanding lease(s)");
+  check_not_in_use_locked(layer, id, "evict_resident");
   drop_resident_locked(layer);
 }
 
