@@ -12,7 +12,6 @@ injection and the race checker on); with a GPU and a CUDA build it runs on the d
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
