@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import aitk_dirs
 
@@ -155,3 +156,56 @@ def test_doctor_reports_every_line_with_a_verdict():
     assert any("manager_modules" in line for line in lines)
     assert any("ulimit" in line for line in lines)
     assert all(line.split()[0] in ("OK", "WARN", "FAIL") for line in lines)
+
+
+TRAIN = (
+    "import copy, random, sys, torch\n"
+    "import toolkit.memory_management as mmgmt\n"
+    "from models import TinyTransformer, apply_lora, train_lora\n"
+    "mod = sys.modules['toolkit.memory_management.manager_modules']\n"
+    "device = torch.device(sys.argv[1])\n"
+    "torch.manual_seed(5)\n"
+    "base = TinyTransformer(checkpointing='non_reentrant').requires_grad_(False)\n"
+    "resident, managed = copy.deepcopy(base).to(device), copy.deepcopy(base)\n"
+    "random.seed(0)\n"
+    "mmgmt.MemoryManager.attach(managed, device, offload_percent=1.0)\n"
+    "managed.to(device)\n"
+    "linears = [m for m in managed.modules() if isinstance(m, torch.nn.Linear)]\n"
+    "assert linears and all(hasattr(m, '_layer_memory_manager') for m in linears)\n"
+    "assert all(m.weight.device.type == 'cpu' for m in linears)\n"
+    "sync = getattr(mod, 'sync_grad_transfers', lambda: None)\n"
+    "got = train_lora(managed, [lo.to(device) for lo in apply_lora(managed)], device, 6, sync)\n"
+    "want = train_lora(resident, [lo.to(device) for lo in apply_lora(resident)], device, 6)\n"
+    "native = mod.__name__ == 'layerstream.manager_modules' or mod.__file__.endswith(('.so', '.pyd'))\n"
+    "print('ENGINE', 'layerstream' if native else 'stock')\n"
+    "print('BITWISE', got == want)\n"
+    "print('LOSSES', ' '.join(map(repr, got)))\n"
+)
+
+
+@pytest.mark.skipif(not aitk_dirs(), reason="needs a real AI-Toolkit checkout: set AI_TOOLKIT_DIR")
+@pytest.mark.parametrize("mode", ["patch", "copy"])
+def test_installed_checkout_trains_a_lora_through_its_own_memory_manager(tmp_path, mode):
+    """The acceptance path of the install issue: `layerstream install` on a real AI-Toolkit checkout, then
+    AI-Toolkit's own MemoryManager.attach drives a LoRA training (on the GPU where there is one); LAYERSTREAM=0
+    runs stock in the same checkout (patch mode), and both learn the same thing."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    root = _make_checkout(tmp_path / "ai-toolkit", aitk_dirs()[-1])
+    assert _cli("install", root, "--mode", mode).returncode == 0
+    tests_dir = str(Path(__file__).parent)
+
+    def train(**env):
+        result = subprocess.run(
+            [sys.executable, "-c", TRAIN, device], cwd=root, capture_output=True, text=True,
+            env={**os.environ, "LAYERSTREAM_BACKEND": "cpu", "PYTHONPATH": tests_dir, **env})
+        assert result.returncode == 0, result.stderr
+        lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line[:1].isupper())
+        return lines["ENGINE"], lines["BITWISE"], [float(v) for v in lines["LOSSES"].split()]
+
+    engine, bitwise, losses = train()
+    assert engine == "layerstream" and bitwise == "True"
+    if mode == "patch":
+        engine, _, stock_losses = train(LAYERSTREAM="0")
+        assert engine == "stock"
+        assert stock_losses == pytest.approx(losses, rel=1e-4)
+    assert _cli("uninstall", root).returncode == 0
