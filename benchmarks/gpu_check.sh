@@ -3,8 +3,8 @@
 # on the CUDA backend (plain and under compute-sanitizer), builds and installs the Python package, runs the
 # pytest suite and the demo on the device. Logs: $OUT/summary.txt and $OUT/all.log (default OUT:
 # build/gpu-logs).
-# Usage: OUT=/some/dir benchmarks/gpu_check.sh [all|tests|bench]   (one lent-machine call has 10 minutes:
-# run `tests` and `bench` as two calls there)
+# Usage: OUT=/some/dir benchmarks/gpu_check.sh [all|tests|core|py|bench]   (one lent-machine call has 10
+# minutes: run `tests` (= core + py) and `bench` as separate calls there, or `core`, `py`, `bench`)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-build/gpu-logs}"
@@ -48,13 +48,13 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && rm -rf /tmp/site/test /tmp/site/bin && export PYTHONPATH=/tmp/site
 fi
-if compgen -G ".aitk/*" >/dev/null; then
-  AI_TOOLKIT_DIR=$(ls -d "$PWD"/.aitk/* | paste -sd:)
+if compgen -G ".aitk/*/" >/dev/null; then
+  AI_TOOLKIT_DIR=$(ls -d "$PWD"/.aitk/*/ | sed 's:/$::' | paste -sd:)
   export AI_TOOLKIT_DIR
 fi
 export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90"
 
-if [[ $WHAT != bench ]]; then
+if [[ $WHAT == all || $WHAT == tests || $WHAT == core ]]; then
 step "build core tests (sm_90)"
 run configure cmake -S . -B build/gpu -G Ninja -DLAYERSTREAM_BUILD_TESTS=ON -DLAYERSTREAM_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=RelWithDebInfo "${GTEST_ARGS[@]}"
@@ -68,25 +68,27 @@ run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 \
   build/gpu/tests/cpp/layerstream_core_tests --gtest_filter='*/cuda:-*Oversized*'
 run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 \
   build/gpu/tests/cpp/layerstream_core_tests --gtest_filter='*/cuda:-*Oversized*'
+fi
 
+if [[ $WHAT == all || $WHAT == tests || $WHAT == py ]]; then
 step "python package"
 run pip_install python3 -m pip install --no-build-isolation --no-deps -v .
-run pytest bash -c 'cd /tmp && python3 -X faulthandler -m pytest -q -rs '"$PWD"'/tests/python'
+run pytest bash -c 'cd /tmp && python3 -X faulthandler -m pytest -q -rs --durations=12 '"$PWD"'/tests/python'
 # The equality suite on the GPU under the sanitizers (cuda cases only).
 # racecheck (shared-memory hazards inside kernels) is slow: one LoRA training case; memcheck gets the whole
 # equality suite. Each is capped so that the stage fits in one lent-machine call.
 run pytest_memcheck timeout 300 bash -c 'cd /tmp && compute-sanitizer --tool memcheck --error-exitcode 1 \
   --target-processes all python3 -m pytest -q -x -k "cuda and (bitwise or accumulate)" \
   '"$PWD"'/tests/python/test_manager_contract.py'
-run pytest_racecheck timeout 200 bash -c 'cd /tmp && compute-sanitizer --tool racecheck --error-exitcode 1 \
-  --target-processes all python3 -m pytest -q -x -k "cuda and lora_training and non_reentrant" \
+run pytest_racecheck timeout 150 bash -c 'cd /tmp && compute-sanitizer --tool racecheck --error-exitcode 1 \
+  --target-processes all python3 -m pytest -q -x -k "cuda and linear and bitwise and trainable and dtype1" \
   '"$PWD"'/tests/python/test_manager_contract.py'
 
 run demo_cuda layerstream demo --backend cuda
 run demo_cuda_large layerstream demo --backend cuda --hidden 3072 --blocks 4 --steps 3 --no-verify
 fi
 
-if [[ $WHAT != tests && -n "${AI_TOOLKIT_DIR:-}" ]]; then
+if [[ ($WHAT == all || $WHAT == bench) && -n "${AI_TOOLKIT_DIR:-}" ]]; then
   python3 -c 'import layerstream.manager_modules' 2>/dev/null || run pip_install python3 -m pip install --no-build-isolation --no-deps .
   step "per-call host overhead"
   run call_overhead python3 benchmarks/call_overhead.py --aitk-dir "${AI_TOOLKIT_DIR%%:*}"
