@@ -16,6 +16,7 @@ std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to *
 
 struct PinnedArena::Chunk {
   PinnedBuffer memory;
+  bool dedicated = false;  // sized for one large block (ArenaOptions::dedicated_bytes)
   std::map<std::size_t, std::size_t> free_ranges;  // offset -> length, coalesced
   // offset -> {requested, rounded}
   std::map<std::size_t, std::pair<std::size_t, std::size_t>> blocks;
@@ -55,10 +56,12 @@ HostBlock PinnedArena::allocate(std::size_t bytes) {
   }
 
   if (best_chunk == nullptr) {
+    const bool dedicated = options_.dedicated_bytes != 0 && rounded >= options_.dedicated_bytes;
     const std::size_t regular =
-        options_.growth_divisor == 0
+        dedicated ? 0
+        : options_.growth_divisor == 0
             ? options_.chunk_bytes
-            : std::min(options_.chunk_bytes, round_up(stats_.bytes_held / options_.growth_divisor, kPageBytes));
+            : std::min(options_.chunk_bytes, round_up(shared_bytes_held_ / options_.growth_divisor, kPageBytes));
     const std::size_t chunk_size = std::max(regular, round_up(rounded, kPageBytes));
     const bool allow_pin = options_.pinned_cap_bytes == 0 ||
                            stats_.bytes_pinned + chunk_size <= options_.pinned_cap_bytes;
@@ -79,6 +82,12 @@ HostBlock PinnedArena::allocate(std::size_t bytes) {
     stats_.bytes_held += chunk_size;
     stats_.peak_bytes_held = std::max(stats_.peak_bytes_held, stats_.bytes_held);
     ++stats_.chunks;
+    chunk->dedicated = dedicated;
+    if (dedicated) {
+      ++stats_.dedicated_chunks;
+    } else {
+      shared_bytes_held_ += chunk_size;
+    }
     chunk->free_ranges.emplace(0, chunk_size);
     best_chunk = chunk.get();
     best = best_chunk->free_ranges.begin();
@@ -132,6 +141,11 @@ void PinnedArena::free(void* data) {
       stats_.bytes_held -= chunk.memory.size();
       if (chunk.memory.pinned()) stats_.bytes_pinned -= chunk.memory.size();
       --stats_.chunks;
+      if (chunk.dedicated) {
+        --stats_.dedicated_chunks;
+      } else {
+        shared_bytes_held_ -= chunk.memory.size();
+      }
       chunks_.erase(it);
     }
     return;

@@ -31,6 +31,7 @@ py::dict arena_stats_dict(const ArenaStats& s) {
   d["bytes_pinned"] = s.bytes_pinned;
   d["peak_bytes_held"] = s.peak_bytes_held;
   d["chunks"] = s.chunks;
+  d["dedicated_chunks"] = s.dedicated_chunks;
   d["blocks"] = s.blocks;
   d["pin_fallbacks"] = s.pin_fallbacks;
   return d;
