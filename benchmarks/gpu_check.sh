@@ -77,10 +77,10 @@ run pytest bash -c 'cd /tmp && python3 -X faulthandler -m pytest -q -rs --durati
 # The equality suite on the GPU under the sanitizers (cuda cases only).
 # racecheck (shared-memory hazards inside kernels) is slow: one LoRA training case; memcheck gets the whole
 # equality suite. Each is capped so that the stage fits in one lent-machine call.
-run pytest_memcheck timeout 300 bash -c 'cd /tmp && compute-sanitizer --tool memcheck --error-exitcode 1 \
+run pytest_memcheck timeout 300 bash -c 'cd /tmp && LAYERSTREAM_TEST_DEADLINE_S=0 compute-sanitizer --tool memcheck --error-exitcode 1 \
   --target-processes all python3 -m pytest -q -x -k "cuda and (bitwise or accumulate)" \
   '"$PWD"'/tests/python/test_manager_contract.py'
-run pytest_racecheck timeout 150 bash -c 'cd /tmp && compute-sanitizer --tool racecheck --error-exitcode 1 \
+run pytest_racecheck timeout 150 bash -c 'cd /tmp && LAYERSTREAM_TEST_DEADLINE_S=0 compute-sanitizer --tool racecheck --error-exitcode 1 \
   --target-processes all python3 -m pytest -q -x -k "cuda and linear and bitwise and trainable and dtype1" \
   '"$PWD"'/tests/python/test_manager_contract.py'
 
@@ -90,6 +90,8 @@ fi
 
 if [[ ($WHAT == all || $WHAT == bench) && -n "${AI_TOOLKIT_DIR:-}" ]]; then
   python3 -c 'import layerstream.manager_modules' 2>/dev/null || run pip_install python3 -m pip install --no-build-isolation --no-deps .
+  step "reliability figures (cycles, long run)"
+  run reliability python3 benchmarks/reliability.py --json-out "$OUT/reliability.json"
   step "per-call host overhead"
   run call_overhead python3 benchmarks/call_overhead.py --aitk-dir "${AI_TOOLKIT_DIR%%:*}"
   step "benchmark: FLUX.1-shaped, LoRA rank 128, checkpointing, 100% offloaded"

@@ -24,6 +24,12 @@ class InvalidArgument : public Error {
   using Error::Error;
 };
 
+// The device refused an allocation (the Python bindings raise torch.OutOfMemoryError for it).
+class OutOfDeviceMemory : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 
 // Streams every argument into one string; used to build messages lazily (only on failure).

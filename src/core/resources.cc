@@ -43,9 +43,9 @@ DeviceBuffer::DeviceBuffer(Backend& backend, std::size_t bytes, DeviceAllocator 
   if (ptr_ == nullptr) {
     const auto [free_bytes, total_bytes] = backend.device_memory_info();
     bytes_ = 0;
-    LS_FAIL("out of device memory on ", backend.name(), ": could not allocate ", bytes, " bytes (",
-            free_bytes, " of ", total_bytes,
-            " bytes free); lower the ring size or the VRAM budget, or free memory first");
+    throw OutOfDeviceMemory(detail::concat(
+        "out of device memory on ", backend.name(), ": could not allocate ", bytes, " bytes (", free_bytes,
+        " of ", total_bytes, " bytes free); lower the ring size or the VRAM budget, or free memory first"));
   }
 }
 

@@ -68,6 +68,11 @@ DeviceState::DeviceState(const c10::Device& device, Mode mode) : device_(device)
       SimOptions o;
       o.device = 0;
       o.device_capacity_bytes = std::size_t{64} << 30;  // the host's memory stands in for the device's
+      // Tests: a small simulated card, and a platform that pins only so much (a tiny `ulimit -l`).
+      if (std::getenv("LAYERSTREAM_SIM_DEVICE_MB")) o.device_capacity_bytes = env_mib("LAYERSTREAM_SIM_DEVICE_MB", 0);
+      if (std::getenv("LAYERSTREAM_SIM_PINNABLE_MB")) {
+        o.pinned_capacity_bytes = env_mib("LAYERSTREAM_SIM_PINNABLE_MB", 0, /*allow_zero=*/true);
+      }
       if (const char* faults = std::getenv("LAYERSTREAM_SIM_FAULTS"); faults != nullptr && *faults != '\0') {
         // Tests: delay operations and scramble copies (the value seeds the injector).
         o.seed = std::strtoull(faults, nullptr, 10);
@@ -152,7 +157,15 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
     options.ring_allocator.deallocate = [](void* p) { c10::cuda::CUDACachingAllocator::raw_delete(p); };
   }
 #endif
-  engine_ = std::make_unique<TransferEngine>(*pool_->backend, options);
+  try {
+    engine_ = std::make_unique<TransferEngine>(*pool_->backend, options);
+  } catch (const OutOfDeviceMemory& e) {
+    throw OutOfDeviceMemory(detail::concat(
+        "layerstream could not allocate its device ring of ", options.ring_bytes / kMiB, " MiB on ", describe(),
+        " (LAYERSTREAM_RING_MB; by default 3x the largest layer, at least 512 MiB on a GPU; this model's "
+        "largest layer needs ", (layer_bytes + kMiB - 1) / kMiB, " MiB): ", e.what(),
+        ". Free device memory, or set LAYERSTREAM_RING_MB lower, then call the layer again"));
+  }
   ++generation_;
   ++engines_built_;
   log(LogLevel::kInfo, "layerstream engine on " + describe() + ": device ring of " +

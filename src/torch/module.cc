@@ -67,6 +67,13 @@ std::shared_ptr<DeviceState> state_for(const py::object& device_obj) {
   if (device.is_cuda()) {
 #ifdef LAYERSTREAM_TORCH_CUDA
     if (!device.has_index()) device.set_index(c10::cuda::current_device());
+    const int count = static_cast<int>(c10::cuda::device_count());
+    if (device.index() >= count) {
+      throw py::value_error("the process device is " + device.str() + ", but this process sees " +
+                            std::to_string(count) + " CUDA device(s)" +
+                            (count > 0 ? " (cuda:0 to cuda:" + std::to_string(count - 1) + ")" : "") +
+                            "; pass an existing device (check CUDA_VISIBLE_DEVICES)");
+    }
     mode = Mode::kCuda;
 #else
     throw py::value_error("layerstream was built against a torch without CUDA, but the process device is " +
@@ -283,7 +290,19 @@ void attach(const py::object& module, const py::object& manager, Which which) {
     const bool conv = which == Which::kConv;
     py::object weight = py::dict(module.attr("_parameters")).attr("get")("weight");
     py::object bias = py::getattr(module, "bias", py::none());
-    const bool plain = !weight.is_none() && is_plain(weight) && is_plain(bias) && (!conv || conv_is_plain(module));
+    for (const py::object& t : {weight, bias}) {
+      if (!t.is_none() && py::hasattr(t, "is_meta") && t.attr("is_meta").cast<bool>()) {
+        const std::string name = py::str(module.attr("__class__").attr("__name__")).cast<std::string>() + "(" +
+                                 py::str(module.attr("extra_repr")()).cast<std::string>() + ")";
+        throw py::value_error(
+            "cannot manage " + name + ": its weights are on the meta device (shapes without data); load real weights into the model "
+            "(load_state_dict(..., assign=True), or to_empty() then load) before MemoryManager.attach");
+      }
+    }
+    // Zero-size layers have nothing to stream: they take the generic path (moved per call, for free).
+    const bool empty = !weight.is_none() && weight.attr("numel")().cast<std::int64_t>() == 0;
+    const bool plain = !weight.is_none() && !empty && is_plain(weight) && is_plain(bias) &&
+                       (!conv || conv_is_plain(module));
     if (plain) {
       core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,
                                                       conv ? conv_params_of(module) : ConvParams{});
@@ -418,6 +437,10 @@ PYBIND11_MODULE(manager_modules, m) {
       if (p) std::rethrow_exception(p);
     } catch (const InvalidArgument& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const OutOfDeviceMemory& e) {
+      // torch.OutOfMemoryError (a RuntimeError), so that trainers' OOM handling sees it as one.
+      py::object oom = torch_module().attr("OutOfMemoryError");
+      PyErr_SetString(oom.ptr(), e.what());
     } catch (const Error& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
     }

@@ -1,5 +1,6 @@
 #include "streamed_layer.h"
 
+#include <c10/util/strides.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "layerstream/check.h"
@@ -22,9 +23,11 @@ constexpr std::size_t kAlign = 256;
 std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 // Weights compute in the input's dtype; integer or other inputs compute in bfloat16 (as upstream).
+// float64 stays float64: upstream's float path computes F.linear(x, w) uncast, so a double layer gets
+// a double result (casting it to bfloat16 would silently lose precision).
 at::ScalarType compute_dtype(const at::Tensor& x) {
   const auto t = x.scalar_type();
-  return (t == at::kFloat || t == at::kHalf || t == at::kBFloat16) ? t : at::kBFloat16;
+  return (t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble) ? t : at::kBFloat16;
 }
 
 at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
@@ -99,13 +102,20 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
   LS_CHECK_ARG(weight.defined(), "a managed layer needs a weight");
   std::lock_guard<std::mutex> lock(mu_);
   Packed w, b;
+  auto layout_of = [](const at::Tensor& t) {
+    if (t.is_non_overlapping_and_dense()) return t.strides().vec();
+    const auto dense = c10::contiguous_strides(t.sizes());
+    return std::vector<std::int64_t>(dense.begin(), dense.end());
+  };
   w.sizes = weight.sizes().vec();
+  w.strides = layout_of(weight);
   w.dtype = weight.scalar_type();
   w.bytes = static_cast<std::size_t>(weight.numel()) * weight.element_size();
   w.defined = true;
   std::size_t total = w.bytes;
   if (bias.defined()) {
     b.sizes = bias.sizes().vec();
+    b.strides = layout_of(bias);
     b.dtype = bias.scalar_type();
     b.bytes = static_cast<std::size_t>(bias.numel()) * bias.element_size();
     b.offset = align_up(w.bytes);
@@ -120,7 +130,7 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
     // (or this layer) uses them.
     auto keep = block;
     at::Tensor view = at::from_blob(
-        block->data() + p.offset, p.sizes, [keep](void*) {},
+        block->data() + p.offset, p.sizes, p.strides, [keep](void*) {},
         at::TensorOptions().dtype(p.dtype).device(at::kCPU));
     {
       at::NoGradGuard no_grad;
@@ -191,7 +201,7 @@ auto StreamedLayer::with_device_weights(Fn&& fn) {
   const at::Device where = on_host ? at::Device(at::kCPU) : state_->device();
   auto view = [&](const Packed& p) {
     if (!p.defined) return at::Tensor();
-    return at::from_blob(static_cast<char*>(lease.data) + p.offset, p.sizes,
+    return at::from_blob(static_cast<char*>(lease.data) + p.offset, p.sizes, p.strides,
                          at::TensorOptions().dtype(p.dtype).device(where));
   };
   try {  // from here on, every exit releases the lease

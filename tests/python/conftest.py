@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
+import sys
 
 # torchao's compiled kernels need CUDA libraries; on CPU-only machines skip loading them quietly.
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
@@ -18,6 +20,18 @@ import pytest
 import torch
 
 from layerstream import manager_modules as mm
+
+
+@pytest.fixture(autouse=True)
+def deadline():
+    """No test may hang: past LAYERSTREAM_TEST_DEADLINE_S seconds (default 600; 0 turns it off, e.g. under
+    a slow sanitizer) every thread's stack is printed and the run exits with a failure."""
+    seconds = float(os.environ.get("LAYERSTREAM_TEST_DEADLINE_S", "600"))
+    if seconds > 0:
+        faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__)
+    yield
+    if seconds > 0:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _cuda_skip_reason() -> str | None:
