@@ -30,3 +30,19 @@ def test_small_preset_runs_and_reports(tmp_path, mode):
     [row] = json.loads(out.read_text())["results"]
     assert row["mode"] == mode and row["status"] == "ok"
     assert len(row["losses"]) == 2
+
+
+def test_plot_script_draws_the_recorded_benchmark(tmp_path):
+    pytest.importorskip("matplotlib", reason="plotting needs matplotlib (in requirements-dev.txt)")
+    repo = Path(__file__).resolve().parents[2]
+    data = repo / "docs" / "data" / "flux1-all-2026-11-29.json"
+    out = tmp_path / "bench.png"
+    result = subprocess.run([sys.executable, str(repo / "benchmarks" / "plot_bench.py"), str(data), "--out", str(out)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    empty = tmp_path / "empty.json"
+    empty.write_text('{"results": [{"mode": "stock", "status": "skipped"}]}')
+    failed = subprocess.run([sys.executable, str(repo / "benchmarks" / "plot_bench.py"), str(empty)],
+                            capture_output=True, text=True)
+    assert failed.returncode != 0 and "no successful rows" in failed.stderr
