@@ -40,7 +40,41 @@ std::size_t env_mib(const char* name, std::size_t fallback, bool allow_zero = fa
   return static_cast<std::size_t>(mib) * kMiB;
 }
 
+DeviceState::MemoryResolver& memory_resolver() {
+  static auto* r = new DeviceState::MemoryResolver();
+  return *r;
+}
+
 }  // namespace
+
+VramBudget VramBudget::parse(const char* text) {
+  VramBudget b;
+  if (text == nullptr || *text == '\0') return b;
+  const std::string v(text);
+  b.enabled = true;
+  if (v == "auto") {
+    b.automatic = true;
+    return b;
+  }
+  char* end = nullptr;
+  const double number = std::strtod(v.c_str(), &end);
+  std::string unit(end);
+  double scale = 0;
+  if (unit.empty() || unit == "B") scale = 1;
+  else if (unit == "KiB") scale = 1024.0;
+  else if (unit == "MiB") scale = 1024.0 * 1024;
+  else if (unit == "GiB") scale = 1024.0 * 1024 * 1024;
+  else if (unit == "KB") scale = 1e3;
+  else if (unit == "MB") scale = 1e6;
+  else if (unit == "GB") scale = 1e9;
+  LS_CHECK_ARG(end != v.c_str() && scale > 0 && number > 0, "LAYERSTREAM_VRAM_BUDGET=", v,
+               " is not understood; give 'auto' (free device memory minus a headroom) or a size such as 24GiB, "
+               "24GB, 20000MiB or a number of bytes");
+  b.bytes = static_cast<std::size_t>(number * scale);
+  return b;
+}
+
+void DeviceState::set_memory_resolver(MemoryResolver resolver) { memory_resolver() = std::move(resolver); }
 
 HostBlockRef::HostBlockRef(std::shared_ptr<HostPool> pool, std::size_t bytes)
     : pool_(std::move(pool)), block_(pool_->arena->allocate(bytes)) {}
@@ -56,6 +90,7 @@ HostBlockRef::~HostBlockRef() {
 DeviceState::DeviceState(const c10::Device& device, Mode mode) : device_(device), mode_(mode) {
   if (const char* p = std::getenv("LAYERSTREAM_PREFETCH"); p != nullptr && std::string(p) == "0") prefetch_ = false;
   resident_budget_ = env_mib("LAYERSTREAM_RESIDENT_MB", 0, /*allow_zero=*/true);
+  vram_budget_ = VramBudget::parse(std::getenv("LAYERSTREAM_VRAM_BUDGET"));
   pool_ = std::make_shared<HostPool>();
   ArenaOptions arena;
   arena.chunk_bytes = env_mib("LAYERSTREAM_CHUNK_MB", 256 * kMiB);
@@ -174,15 +209,56 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
 }
 
 void DeviceState::note_use(LayerId layer) {
+  bool plan_now = false;
+  observe_and_prefetch(layer, plan_now);
+  if (!plan_now) return;
+  // Outside the lock: the resolver takes the GIL, and a thread holding the GIL may be waiting for mu_.
+  const DeviceMemoryView view = memory_view();
+  std::string report;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (engine_) report = apply_vram_budget_locked(view);
+  }
+  if (!report.empty()) log(view.limit == 0 ? LogLevel::kWarning : LogLevel::kInfo, report);
+}
+
+DeviceMemoryView DeviceState::memory_view() {
+  DeviceMemoryView view;
+  if (mode_ == Mode::kSim) {
+    // The simulated card: its capacity (or the budget), and what is allocated on it now (the ring).
+    const auto [free_bytes, total] = pool_->backend->device_memory_info();
+    view.limit = vram_budget_.automatic ? total : vram_budget_.bytes;
+    view.peak = total - free_bytes;
+  } else if (memory_resolver()) {
+    view = memory_resolver()(*this, vram_budget_);
+  }
+  return view;
+}
+
+void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now) {
   constexpr std::size_t kLookahead = 8;
-  if (!prefetch_) return;
+  if (!prefetch_ && !vram_budget_.enabled) return;
   std::lock_guard<std::mutex> lock(mu_);  // also keeps the engine from being rebuilt meanwhile
   if (!engine_) return;
   if (predictor_generation_ != generation_) {  // layer ids of an older engine mean nothing now
     predictor_ = AccessPredictor();
     predictor_generation_ = generation_;
+    first_uses_.clear();
+    seen_.clear();
+    budget_planned_ = false;  // a rebuilt engine: plan its layers again
   }
+  const bool planning = vram_budget_.enabled && !budget_planned_;
   predictor_.observe(layer);
+  if (planning) {
+    if (seen_.insert(layer).second) first_uses_.push_back(layer);
+    // Twice as many correct predictions as there are layers: the order has repeated, the second pass
+    // (step) is under way, and the first one's peak memory is on record.
+    if (predictor_.stats().correct >= 2 * first_uses_.size() + 2) {
+      budget_planned_ = true;
+      plan_now = true;
+    }
+  }
+  if (!prefetch_) return;
   const std::size_t budget = engine_->ring_capacity() / 3;
   std::size_t planned = 0;
   for (LayerId next : predictor_.predict(kLookahead)) {
@@ -203,6 +279,31 @@ void DeviceState::consider_residency(TransferEngine& engine, LayerId layer, std:
   // The engine's own count: layers re-packed or removed give their share back by themselves.
   if (engine.stats().resident_bytes + bytes > resident_budget_) return;
   engine.make_resident(layer);  // false (no device room) leaves it streaming
+}
+
+std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) {
+  if (view.limit == 0) return "LAYERSTREAM_VRAM_BUDGET is set but nothing reports device memory here; ignored";
+  const std::size_t headroom = view.limit / 20;  // 5%: allocator fragmentation, a longer prompt
+  budget_room_ = view.limit > view.peak + headroom ? view.limit - view.peak - headroom : 0;
+  std::size_t kept = 0, kept_bytes = 0, streamed = 0;
+  for (LayerId id : first_uses_) {
+    std::size_t bytes = 0;
+    try {
+      bytes = engine_->host_block(id).bytes;
+    } catch (const InvalidArgument&) {
+      continue;  // freed since
+    }
+    if (kept_bytes + bytes <= budget_room_ && engine_->make_resident(id)) {
+      ++kept;
+      kept_bytes += bytes;
+    } else {
+      ++streamed;
+    }
+  }
+  return detail::concat("layerstream VRAM budget on ", describe(), ": ", view.limit / kMiB, " MiB",
+                        vram_budget_.automatic ? " (auto)" : "", ", peak ", view.peak / kMiB,
+                        " MiB over the first step, 5% headroom: ", kept, " layers (", kept_bytes / kMiB,
+                        " MiB) stay on the device, ", streamed, " stream");
 }
 
 TransferEngine* DeviceState::current_engine() {
@@ -235,9 +336,17 @@ void DeviceState::sync_downloads() {
   // `sources` are released here, after their copies have landed.
 }
 
-void DeviceState::keep_until_synced(at::Tensor source) {
-  std::lock_guard<std::mutex> lock(mu_);
-  download_sources_.push_back(std::move(source));
+void DeviceState::keep_until_synced(at::Tensor tensor) {
+  // Without sync_grad_transfers() (AI-Toolkit 323b4aaf has none) the list would only grow: past a few
+  // hundred tensors, join what is pending (the copies are long done by then; this costs next to nothing).
+  constexpr std::size_t kMaxKept = 512;
+  bool full = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    download_sources_.push_back(std::move(tensor));
+    full = download_sources_.size() > kMaxKept;
+  }
+  if (full) sync_downloads();
 }
 
 StateStats DeviceState::stats() {
@@ -248,6 +357,8 @@ StateStats DeviceState::stats() {
   s.engine.arena = pool_->arena->stats();
   s.engines_built = engines_built_;
   s.predictor = predictor_.stats();
+  s.vram_budget_planned = budget_planned_;
+  s.vram_budget_room = budget_room_;
   if (mode_ == Mode::kSim) s.sim_races = static_cast<SimBackend&>(*pool_->backend).violation_count();
   return s;
 }

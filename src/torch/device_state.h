@@ -19,9 +19,11 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "layerstream/access_predictor.h"
@@ -54,11 +56,27 @@ class HostBlockRef {
   HostBlock block_;
 };
 
+// What the device can give this process and what it has used at its peak (for the VRAM budget).
+struct DeviceMemoryView {
+  std::size_t limit = 0;  // bytes the process may use ("auto": free + its own reserved, under torch's fraction)
+  std::size_t peak = 0;   // the most the process has held (torch's peak reserved on CUDA)
+};
+
+// LAYERSTREAM_VRAM_BUDGET, parsed: "auto", or a size such as 24GiB, 24GB, 20000MiB or 2.5e10 (bytes).
+struct VramBudget {
+  bool enabled = false;
+  bool automatic = false;
+  std::size_t bytes = 0;  // when not automatic
+  static VramBudget parse(const char* text);  // throws InvalidArgument with the accepted forms
+};
+
 struct StateStats {
   EngineStats engine;
   PredictorStats predictor;
   std::uint64_t engines_built = 0;
   std::uint64_t sim_races = 0;  // sim mode: unordered accesses the race checker found
+  std::size_t vram_budget_room = 0;  // bytes the VRAM budget let stay resident (0 before it was planned)
+  bool vram_budget_planned = false;
 };
 
 class DeviceState {
@@ -88,13 +106,20 @@ class DeviceState {
   // LAYERSTREAM_RESIDENT_MB budget lasts (first come, first kept: forward order), streams it otherwise.
   void consider_residency(TransferEngine& engine, LayerId layer, std::size_t bytes);
 
+  // LAYERSTREAM_VRAM_BUDGET: once the order of layer uses has repeated (the first step is over, so its
+  // peak memory is known), the layers that fit in budget - peak - headroom stay on the device for good,
+  // in order of first use; the rest stream. The view of the device comes from `resolver` on CUDA
+  // (installed by the Python module: it reads torch's allocator), from the backend on the simulator.
+  using MemoryResolver = std::function<DeviceMemoryView(DeviceState&, const VramBudget&)>;
+  static void set_memory_resolver(MemoryResolver resolver);
+
   // The stream consumers release on: torch's current stream (CUDA) or the host's proxy stream (sim).
   StreamHandle consumer_stream();
   // Joins every pending gradient download of this device.
   void sync_downloads();
-  // Keeps a download's source alive until sync_downloads() (sim: there is no caching allocator whose
-  // record_stream could do it).
-  void keep_until_synced(at::Tensor source);
+  // Keeps a download's destination (and, on the simulator, its source: there is no caching allocator
+  // whose record_stream could do it) alive until sync_downloads().
+  void keep_until_synced(at::Tensor tensor);
   StateStats stats();
   std::string describe() const;
 
@@ -115,6 +140,14 @@ class DeviceState {
   EngineStats retired_;  // counters of engines replaced by a larger one
   bool prefetch_ = true;
   std::size_t resident_budget_ = 0;  // LAYERSTREAM_RESIDENT_MB
+  VramBudget vram_budget_;           // LAYERSTREAM_VRAM_BUDGET
+  bool budget_planned_ = false;
+  std::size_t budget_room_ = 0;
+  std::vector<LayerId> first_uses_;  // layers of the current engine, in order of first use
+  std::unordered_set<LayerId> seen_;
+  void observe_and_prefetch(LayerId layer, bool& plan_now);  // takes mu_
+  DeviceMemoryView memory_view();
+  std::string apply_vram_budget_locked(const DeviceMemoryView& view);  // the line to log
   AccessPredictor predictor_;
   std::uint64_t predictor_generation_ = 0;  // the engine generation whose layer ids it has seen
   std::vector<at::Tensor> download_sources_;

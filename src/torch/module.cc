@@ -351,8 +351,35 @@ py::dict stats_dict(const StateStats& s) {
   d["resident_hits"] = s.engine.resident_hits;
   d["resident_layers"] = s.engine.resident_layers;
   d["resident_bytes"] = s.engine.resident_bytes;
+  d["vram_budget_planned"] = static_cast<std::uint64_t>(s.vram_budget_planned);
+  d["vram_budget_room"] = s.vram_budget_room;
   return d;
 }
+
+#ifdef LAYERSTREAM_TORCH_CUDA
+// What LAYERSTREAM_VRAM_BUDGET plans against on CUDA, from torch's allocator (called without mu_ held).
+DeviceMemoryView cuda_memory_view(DeviceState& state, const VramBudget& budget) {
+  py::gil_scoped_acquire gil;
+  py::object cuda = torch_module().attr("cuda");
+  const int index = state.device().index();
+  DeviceMemoryView view;
+  view.peak = cuda.attr("max_memory_reserved")(index).cast<std::size_t>();
+  if (!budget.automatic) {
+    view.limit = budget.bytes;
+    return view;
+  }
+  // auto: what is free plus what torch already holds, under a set_per_process_memory_fraction cap.
+  py::tuple info = cuda.attr("mem_get_info")(index);
+  const auto free_bytes = info[0].cast<std::size_t>();
+  const auto total = info[1].cast<std::size_t>();
+  view.limit = free_bytes + cuda.attr("memory_reserved")(index).cast<std::size_t>();
+  if (py::hasattr(cuda, "get_per_process_memory_fraction")) {
+    const double fraction = cuda.attr("get_per_process_memory_fraction")(index).cast<double>();
+    view.limit = std::min(view.limit, static_cast<std::size_t>(fraction * static_cast<double>(total)));
+  }
+  return view;
+}
+#endif
 
 py::dict stats() {
   // Every counter summed over the live device states, plus how many there are and which.
@@ -479,6 +506,9 @@ PYBIND11_MODULE(manager_modules, m) {
   class_of(Which::kOstris) = m.attr("OstrisLinearLayerMemoryManager");
 
   m.attr("_DEVICE_STATE") = device_state_dict();
+#ifdef LAYERSTREAM_TORCH_CUDA
+  DeviceState::set_memory_resolver(&cuda_memory_view);
+#endif
   m.def("sync_grad_transfers", [] {
     {
       auto states = DeviceState::live();

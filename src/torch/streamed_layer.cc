@@ -270,6 +270,10 @@ at::Tensor StreamedLayer::grad_to_host(at::Tensor grad, const at::Tensor& param)
   }
 #endif
   if (state_->mode() == Mode::kSim) state_->keep_until_synced(grad);
+  // The copy writes into `staging` after this function returns, and autograd may drop the gradient
+  // (zero_grad(set_to_none=True), a replaced Parameter) before sync_grad_transfers(): the memory must not
+  // go back to the allocator (and be handed out again) before the copy has landed.
+  state_->keep_until_synced(staging);
   // With a gradient already there, autograd adds into it as soon as we return: every pending copy
   // (this one, and any earlier one into that gradient) must have landed by then.
   if (param.grad().defined()) state_->sync_downloads();
