@@ -326,7 +326,7 @@ StreamHandle DeviceState::consumer_stream() {
 
 void DeviceState::sync_downloads() {
   TransferEngine* engine;
-  std::vector<at::Tensor> sources;
+  std::vector<c10::Storage> sources;
   {
     std::lock_guard<std::mutex> lock(mu_);
     engine = engine_.get();
@@ -336,14 +336,14 @@ void DeviceState::sync_downloads() {
   // `sources` are released here, after their copies have landed.
 }
 
-void DeviceState::keep_until_synced(at::Tensor tensor) {
+void DeviceState::keep_until_synced(c10::Storage storage) {
   // Without sync_grad_transfers() (AI-Toolkit 323b4aaf has none) the list would only grow: past a few
   // hundred tensors, join what is pending (the copies are long done by then; this costs next to nothing).
   constexpr std::size_t kMaxKept = 512;
   bool full = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    download_sources_.push_back(std::move(tensor));
+    download_sources_.push_back(std::move(storage));
     full = download_sources_.size() > kMaxKept;
   }
   if (full) sync_downloads();

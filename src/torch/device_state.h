@@ -117,9 +117,9 @@ class DeviceState {
   StreamHandle consumer_stream();
   // Joins every pending gradient download of this device.
   void sync_downloads();
-  // Keeps a download's destination (and, on the simulator, its source: there is no caching allocator
-  // whose record_stream could do it) alive until sync_downloads().
-  void keep_until_synced(at::Tensor tensor);
+  // Keeps a download's destination memory (and, on the simulator, its source's: there is no caching
+  // allocator whose record_stream could do it) alive until sync_downloads().
+  void keep_until_synced(c10::Storage storage);
   StateStats stats();
   std::string describe() const;
 
@@ -150,7 +150,7 @@ class DeviceState {
   std::string apply_vram_budget_locked(const DeviceMemoryView& view);  // the line to log
   AccessPredictor predictor_;
   std::uint64_t predictor_generation_ = 0;  // the engine generation whose layer ids it has seen
-  std::vector<at::Tensor> download_sources_;
+  std::vector<c10::Storage> download_sources_;  // memory of downloads in flight
   Stream host_stream_;   // sim only
 };
 

@@ -2,6 +2,7 @@
 
 #include <c10/util/strides.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
 
 #include "layerstream/check.h"
 #include "layerstream/log.h"
@@ -251,15 +252,23 @@ at::Tensor StreamedLayer::compute_forward(const at::Tensor& x) {
 }
 
 at::Tensor StreamedLayer::grad_to_host(at::Tensor grad, const at::Tensor& param) {
-  grad = as_dtype(grad, param.scalar_type()).contiguous();
+  grad = as_dtype(grad, param.scalar_type());
+  const bool dense = param.is_non_overlapping_and_dense();
+  if (dense && grad.strides() != param.strides()) {  // the bytes must arrive in the Parameter's layout
+    at::Tensor laid = at::empty_strided(param.sizes(), param.strides(), grad.options());
+    laid.copy_(grad);
+    grad = laid;
+  } else if (!dense) {
+    grad = grad.contiguous();
+  }
   TransferEngine& engine = registered_engine();
   const StreamHandle producer = state_->consumer_stream();
-  at::Tensor staging;
-  if (state_->mode() == Mode::kCuda) {
-    staging = at::empty(param.sizes(), at::TensorOptions().dtype(param.scalar_type()).pinned_memory(true));
-  } else {
-    staging = at::empty(param.sizes(), at::TensorOptions().dtype(param.scalar_type()));
-  }
+  // The staging tensor takes the Parameter's own layout: autograd then adopts it as .grad as it is
+  // (AccumulateGrad steals a gradient that obeys the layout contract and that nobody else references),
+  // instead of cloning it, which would copy memory the D2H copy has not filled yet.
+  auto options = at::TensorOptions().dtype(param.scalar_type()).pinned_memory(state_->mode() == Mode::kCuda);
+  at::Tensor staging = dense ? at::empty_strided(param.sizes(), param.strides(), options)
+                             : at::empty(param.sizes(), options);
   engine.download(staging.data_ptr(), grad.data_ptr(), grad.nbytes(), producer);
 #ifdef LAYERSTREAM_TORCH_CUDA
   if (state_->mode() == Mode::kCuda) {
@@ -269,14 +278,25 @@ at::Tensor StreamedLayer::grad_to_host(at::Tensor grad, const at::Tensor& param)
     grad.record_stream(d2h);
   }
 #endif
-  if (state_->mode() == Mode::kSim) state_->keep_until_synced(grad);
+  if (state_->mode() == Mode::kSim) state_->keep_until_synced(grad.storage());
   // The copy writes into `staging` after this function returns, and autograd may drop the gradient
-  // (zero_grad(set_to_none=True), a replaced Parameter) before sync_grad_transfers(): the memory must not
-  // go back to the allocator (and be handed out again) before the copy has landed.
-  state_->keep_until_synced(staging);
-  // With a gradient already there, autograd adds into it as soon as we return: every pending copy
-  // (this one, and any earlier one into that gradient) must have landed by then.
-  if (param.grad().defined()) state_->sync_downloads();
+  // (zero_grad(set_to_none=True), a replaced Parameter) before the copy lands: its memory must not go
+  // back to the allocator (and be handed out again) before then. The storage is kept, not the tensor: a
+  // second reference to the tensor would make AccumulateGrad clone it (see above).
+  state_->keep_until_synced(staging.storage());
+  // With a gradient already there, autograd adds into it as soon as we return; with create_graph
+  // (grad mode on in backward) it clones the new one: either way every pending copy must have landed.
+  if (param.grad().defined() || at::GradMode::is_enabled()) {
+    state_->sync_downloads();
+  } else {
+    // Otherwise the copy overlaps the rest of backward and is joined when backward ends, so that .grad
+    // is whole when loss.backward() returns, also for trainers that never call sync_grad_transfers()
+    // (AI-Toolkit 323b4aaf). Joining again costs nothing when nothing is pending.
+    std::weak_ptr<DeviceState> weak = state_;
+    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+      if (auto state = weak.lock()) state->sync_downloads();
+    });
+  }
   return staging;
 }
 

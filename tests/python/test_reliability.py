@@ -434,3 +434,28 @@ def test_fuzz_random_layers_dtypes_and_call_orders(engine, device):
                 ref.weight.mul_(0.5)
                 man.weight.mul_(0.5)
     assert mm.stats()["sim_races"] == 0
+
+
+def test_weight_gradients_are_whole_when_backward_returns_without_sync(engine, device, monkeypatch):
+    """AI-Toolkit 323b4aaf never calls sync_grad_transfers(): the gradient copies must have landed by the
+    time loss.backward() returns. The simulator delays the copies so that an unjoined one would show."""
+    if engine == "cpu":
+        pytest.skip("the CPU mode computes gradients in place: nothing is copied")
+    if engine == "sim":
+        monkeypatch.setenv("LAYERSTREAM_SIM_FAULTS", "99")
+    clear_states()
+    torch.manual_seed(31)
+    base = TinyTransformer(d=64, ff=256, layers=2)  # every weight trainable: a full fine-tune
+    resident = copy.deepcopy(base).to(device)
+    managed = copy.deepcopy(base)
+    driver = ContractManager.attach(mm, managed, device)
+    driver.to_device()
+    gen = torch.Generator().manual_seed(3)
+    for step in range(3):
+        x = torch.randn(2, 5, 64, generator=gen).to(device)
+        for model in (resident, managed):
+            model.zero_grad(set_to_none=True)
+            model(x).float().pow(2).mean().backward()  # no sync_grad_transfers() anywhere
+        for (name, p), q in zip(resident.named_parameters(), managed.parameters()):
+            assert torch.equal(q.grad.to(device), p.grad), f"step {step}: {name}"
+    driver.free()
