@@ -68,6 +68,8 @@ run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 \
   build/gpu/tests/cpp/layerstream_core_tests --gtest_filter='*/cuda:-*Oversized*'
 run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 \
   build/gpu/tests/cpp/layerstream_core_tests --gtest_filter='*/cuda:-*Oversized*'
+run synccheck compute-sanitizer --tool synccheck --error-exitcode 1 \
+  build/gpu/tests/cpp/layerstream_core_tests --gtest_filter='*/cuda:-*Oversized*'
 fi
 
 if [[ $WHAT == all || $WHAT == tests || $WHAT == py ]]; then
