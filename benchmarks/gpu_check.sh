@@ -99,6 +99,13 @@ if [[ ($WHAT == all || $WHAT == bench) && -n "${AI_TOOLKIT_DIR:-}" ]]; then
   step "benchmark: FLUX.1-shaped, LoRA rank 128, checkpointing, 100% offloaded"
   run flux_bench python3 benchmarks/flux_bench.py --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --mode all \
     --aitk-dir "${AI_TOOLKIT_DIR%%:*}" --md-out "$OUT/flux_bench.md" --json-out "$OUT/flux_bench.json"
+  # Optional (about 4 more minutes): the same under a VRAM cap, layerstream with that cap as its budget.
+  if [[ -n "${LAYERSTREAM_BENCH_CAP_GB:-}" ]]; then
+    step "benchmark: the same under a ${LAYERSTREAM_BENCH_CAP_GB} GiB VRAM cap, LAYERSTREAM_VRAM_BUDGET=${LAYERSTREAM_BENCH_CAP_GB}GiB"
+    run flux_bench_cap env LAYERSTREAM_VRAM_BUDGET="${LAYERSTREAM_BENCH_CAP_GB}GiB" python3 benchmarks/flux_bench.py \
+      --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --mode all --vram-cap-gb "$LAYERSTREAM_BENCH_CAP_GB" \
+      --aitk-dir "${AI_TOOLKIT_DIR%%:*}" --md-out "$OUT/flux_bench_cap.md" --json-out "$OUT/flux_bench_cap.json"
+  fi
 fi
 
 cat "$OUT/summary.txt"

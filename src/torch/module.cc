@@ -376,6 +376,10 @@ DeviceMemoryView cuda_memory_view(DeviceState& state, const VramBudget& budget) 
   if (py::hasattr(cuda, "get_per_process_memory_fraction")) {
     const double fraction = cuda.attr("get_per_process_memory_fraction")(index).cast<double>();
     view.limit = std::min(view.limit, static_cast<std::size_t>(fraction * static_cast<double>(total)));
+  } else {
+    log_once("vram-budget-no-fraction", LogLevel::kWarning,
+             "LAYERSTREAM_VRAM_BUDGET=auto: this torch cannot report set_per_process_memory_fraction, so a cap "
+             "set that way is not seen; give the budget as a size instead (e.g. LAYERSTREAM_VRAM_BUDGET=24GiB)");
   }
   return view;
 }
