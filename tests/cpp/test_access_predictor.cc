@@ -65,6 +65,38 @@ TEST(AccessPredictor, UnknownContextPredictsNothingAndAChangedOrderIsRelearned) 
   EXPECT_GE(run_step(p, train), train.size() - 3);
 }
 
+// Without checkpointing: the forward, then the backward visits every layer in reverse.
+std::vector<std::uint64_t> plain_step(std::uint64_t layers) {
+  std::vector<std::uint64_t> order;
+  for (std::uint64_t i = 1; i <= layers; ++i) order.push_back(i);
+  for (std::uint64_t i = layers; i >= 1; --i) order.push_back(i);
+  return order;
+}
+
+TEST(AccessPredictor, StepsWithoutCheckpointingAndAccumulatedMicroStepsArePredicted) {
+  AccessPredictor p;
+  const auto step = plain_step(10);
+  run_step(p, step);
+  EXPECT_GE(run_step(p, step), step.size() - 2);
+  // Gradient accumulation: several forward+backward passes per optimizer step are the same sequence
+  // again (the optimizer touches no managed layer), so they stay predicted.
+  for (int micro = 0; micro < 4; ++micro) EXPECT_GE(run_step(p, step), step.size() - 2) << "micro " << micro;
+}
+
+TEST(AccessPredictor, RegularInferencePassesBetweenStepsAreLearnedToo) {
+  AccessPredictor p;
+  const auto train = checkpointed_step(3, 4);
+  std::vector<std::uint64_t> sample;  // forward only, e.g. a preview image every few steps
+  for (std::uint64_t id = 1; id <= 12; ++id) sample.push_back(id);
+  for (int cycle = 0; cycle < 3; ++cycle) {
+    run_step(p, train), run_step(p, train), run_step(p, sample);
+  }
+  // Once both patterns were seen in this rhythm, each is predicted but for the switches between them.
+  EXPECT_GE(run_step(p, train), train.size() - 4);
+  EXPECT_GE(run_step(p, train), train.size() - 4);
+  EXPECT_GE(run_step(p, sample), sample.size() - 4);
+}
+
 TEST(AccessPredictor, BoundedHistoryKeepsPredicting) {
   AccessPredictor p(256);
   const auto step = checkpointed_step(2, 3);  // 18 calls per step
