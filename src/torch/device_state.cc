@@ -101,7 +101,7 @@ DeviceState::DeviceState(const c10::Device& device, Mode mode) : device_(device)
       break;
     case Mode::kSim: {
       SimOptions o;
-      o.device = 0;
+      o.device = device.has_index() ? device.index() : 0;  // cpu:N: a second simulated device
       o.device_capacity_bytes = std::size_t{64} << 30;  // the host's memory stands in for the device's
       // Tests: a small simulated card, and a platform that pins only so much (a tiny `ulimit -l`).
       if (std::getenv("LAYERSTREAM_SIM_DEVICE_MB")) o.device_capacity_bytes = env_mib("LAYERSTREAM_SIM_DEVICE_MB", 0);

@@ -1,0 +1,81 @@
+"""Several devices in one process, on the simulator: `cpu:0` and `cpu:1` with LAYERSTREAM_BACKEND=sim are
+two simulated devices, each with its own device state (backend, streams, events, ring, arena). Every
+stream, event and ring a layer uses must belong to its own process device: a model on the second device
+works exactly as on the first, and neither touches the other's engine. (On CUDA the same code runs per
+`cuda:N`; the two-GPU runs belong to the GPU machine.)"""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+
+from contract_driver import ContractManager
+from layerstream import manager_modules as mm
+from models import TinyTransformer, apply_lora, train_lora
+
+
+@pytest.fixture
+def two_sim_devices(monkeypatch):
+    monkeypatch.setenv("LAYERSTREAM_BACKEND", "sim")
+    monkeypatch.setenv("LAYERSTREAM_RING_MB", "1")  # layers come and go on both devices
+    for key in list(mm._DEVICE_STATE):
+        del mm._DEVICE_STATE[key]
+    yield torch.device("cpu", 0), torch.device("cpu", 1)
+    mm.sync_grad_transfers()
+    assert mm.stats()["sim_races"] == 0
+    for key in list(mm._DEVICE_STATE):
+        del mm._DEVICE_STATE[key]
+    gc.collect()
+
+
+def test_each_device_has_its_own_engine_and_a_model_on_the_second_is_exact(two_sim_devices):
+    dev0, dev1 = two_sim_devices
+    torch.manual_seed(41)
+    base = TinyTransformer(d=128, ff=256, layers=2, checkpointing="non_reentrant").requires_grad_(False)
+    resident = copy.deepcopy(base)
+    ref = train_lora(resident, apply_lora(resident), torch.device("cpu"), 3)
+    models, drivers, loras = [], [], []
+    for dev in (dev0, dev1):
+        model = copy.deepcopy(base)
+        drivers.append(ContractManager.attach(mm, model, dev))
+        drivers[-1].to_device()
+        models.append(model)
+        loras.append(apply_lora(model))
+    states = [mm._DEVICE_STATE[dev0], mm._DEVICE_STATE[dev1]]
+    assert sorted(mm.stats()["devices"]) == ["cpu:0 [sim backend: sim:0]", "cpu:1 [sim backend: sim:1]"]
+
+    # Only the model on the second device runs: the first device's engine does not move a byte.
+    assert train_lora(models[1], loras[1], torch.device("cpu"), 3, mm.sync_grad_transfers) == ref
+    first = states[0].stats()
+    assert first["fetches"] == 0 and first["bytes_h2d"] == 0
+    second = states[1].stats()
+    assert second["fetches"] > 0 and second["ring_bytes"] == 1 << 20
+
+    # Then the first device's model, interleaved with more work on the second: each stays exact.
+    assert train_lora(models[0], loras[0], torch.device("cpu"), 3, mm.sync_grad_transfers) == ref
+    assert states[1].stats()["fetches"] == second["fetches"]  # the first model used only its own engine
+    weights = sum(p.numel() * 4 for m in base.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters())
+    for s in states:  # each device holds exactly one model's weights in its own arena
+        assert s.stats()["host_bytes_requested"] == weights
+
+
+def test_freeing_one_device_leaves_the_other_training(two_sim_devices):
+    dev0, dev1 = two_sim_devices
+    torch.manual_seed(42)
+    base = TinyTransformer(d=64, ff=128, layers=2).requires_grad_(False)
+    resident = copy.deepcopy(base)
+    ref = train_lora(resident, apply_lora(resident), torch.device("cpu"), 4)
+    keep, drop = copy.deepcopy(base), copy.deepcopy(base)
+    ContractManager.attach(mm, keep, dev0).to_device()
+    drop_driver = ContractManager.attach(mm, drop, dev1)
+    drop_driver.to_device()
+    with torch.no_grad():
+        drop(torch.randn(1, 3, 64))
+    drop_driver.free()
+    del mm._DEVICE_STATE[dev1], drop, drop_driver
+    gc.collect()
+    assert mm.live_device_states() == 1
+    assert train_lora(keep, apply_lora(keep), torch.device("cpu"), 4, mm.sync_grad_transfers) == ref
