@@ -206,7 +206,8 @@ def test_keyboard_interrupts_in_forward_and_backward_lose_nothing(engine, device
             finally:
                 trap.handle.remove()
         mm.sync_grad_transfers()
-        assert mm._DEVICE_STATE[device].stats()["leases_outstanding"] == 0 if engine != "cpu" else True
+        if engine != "cpu":  # the CPU mode takes no leases
+            assert mm._DEVICE_STATE[device].stats()["leases_outstanding"] == 0
         # The next, uninterrupted step is correct (both models saw the same interrupted steps).
         assert managed.step() == resident.step(), f"trial {trial}"
     assert interrupted >= 12  # both models were interrupted in most trials
