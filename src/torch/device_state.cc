@@ -263,11 +263,9 @@ void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now) {
   std::size_t planned = 0;
   for (LayerId next : predictor_.predict(kLookahead)) {
     if (next == layer) continue;
-    try {
-      planned += engine_->host_block(next).bytes;
-    } catch (const InvalidArgument&) {
-      break;  // that layer is gone (freed model): the prediction is stale
-    }
+    const std::optional<std::size_t> bytes = layer_bytes_locked(next);
+    if (!bytes) break;  // that layer is gone (freed model): the prediction is stale
+    planned += *bytes;
     if (planned > budget) break;
     engine_->prefetch(next);
   }
@@ -281,21 +279,25 @@ void DeviceState::consider_residency(TransferEngine& engine, LayerId layer, std:
   engine.make_resident(layer);  // false (no device room) leaves it streaming
 }
 
+std::optional<std::size_t> DeviceState::layer_bytes_locked(LayerId layer) const {
+  try {
+    return engine_->host_block(layer).bytes;
+  } catch (const InvalidArgument&) {
+    return std::nullopt;  // no longer in the engine (its model was freed)
+  }
+}
+
 std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) {
   if (view.limit == 0) return "LAYERSTREAM_VRAM_BUDGET is set but nothing reports device memory here; ignored";
   const std::size_t headroom = view.limit / 20;  // 5%: allocator fragmentation, a longer prompt
   budget_room_ = view.limit > view.peak + headroom ? view.limit - view.peak - headroom : 0;
   std::size_t kept = 0, kept_bytes = 0, streamed = 0;
   for (LayerId id : first_uses_) {
-    std::size_t bytes = 0;
-    try {
-      bytes = engine_->host_block(id).bytes;
-    } catch (const InvalidArgument&) {
-      continue;  // freed since
-    }
-    if (kept_bytes + bytes <= budget_room_ && engine_->make_resident(id)) {
+    const std::optional<std::size_t> bytes = layer_bytes_locked(id);
+    if (!bytes) continue;  // freed since
+    if (kept_bytes + *bytes <= budget_room_ && engine_->make_resident(id)) {
       ++kept;
-      kept_bytes += bytes;
+      kept_bytes += *bytes;
     } else {
       ++streamed;
     }
@@ -326,25 +328,25 @@ StreamHandle DeviceState::consumer_stream() {
 
 void DeviceState::sync_downloads() {
   TransferEngine* engine;
-  std::vector<c10::Storage> sources;
+  std::vector<c10::Storage> memory;
   {
     std::lock_guard<std::mutex> lock(mu_);
     engine = engine_.get();
-    sources.swap(download_sources_);
+    memory.swap(downloads_in_flight_);
   }
   if (engine) engine->sync_downloads();
-  // `sources` are released here, after their copies have landed.
+  // `memory` is released here, after the copies into and out of it have landed.
 }
 
 void DeviceState::keep_until_synced(c10::Storage storage) {
   // Without sync_grad_transfers() (AI-Toolkit 323b4aaf has none) the list would only grow: past a few
-  // hundred tensors, join what is pending (the copies are long done by then; this costs next to nothing).
+  // hundred entries, join what is pending (the copies are long done by then; this costs next to nothing).
   constexpr std::size_t kMaxKept = 512;
   bool full = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    download_sources_.push_back(std::move(storage));
-    full = download_sources_.size() > kMaxKept;
+    downloads_in_flight_.push_back(std::move(storage));
+    full = downloads_in_flight_.size() > kMaxKept;
   }
   if (full) sync_downloads();
 }

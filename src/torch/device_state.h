@@ -22,6 +22,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -148,9 +149,10 @@ class DeviceState {
   void observe_and_prefetch(LayerId layer, bool& plan_now);  // takes mu_
   DeviceMemoryView memory_view();
   std::string apply_vram_budget_locked(const DeviceMemoryView& view);  // the line to log
+  std::optional<std::size_t> layer_bytes_locked(LayerId layer) const;  // nullopt: removed from the engine
   AccessPredictor predictor_;
   std::uint64_t predictor_generation_ = 0;  // the engine generation whose layer ids it has seen
-  std::vector<c10::Storage> download_sources_;  // memory of downloads in flight
+  std::vector<c10::Storage> downloads_in_flight_;  // memory the pending downloads read or write
   Stream host_stream_;   // sim only
 };
 

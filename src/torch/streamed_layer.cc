@@ -31,6 +31,16 @@ at::ScalarType compute_dtype(const at::Tensor& x) {
   return (t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble) ? t : at::kBFloat16;
 }
 
+// The strides a managed tensor keeps in the arena, on the device and in its gradient's staging: the
+// Parameter's own when it is dense (channels_last convs, transposed linears: the kernels, and so the
+// bits, then match the all-resident layer; autograd adopts a gradient in that layout as it is), else
+// contiguous.
+std::vector<std::int64_t> layout_of(const at::Tensor& t) {
+  if (t.is_non_overlapping_and_dense()) return t.strides().vec();
+  const auto dense = c10::contiguous_strides(t.sizes());
+  return std::vector<std::int64_t>(dense.begin(), dense.end());
+}
+
 at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
   return (!t.defined() || t.scalar_type() == dtype) ? t : t.to(dtype);
 }
@@ -103,11 +113,6 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
   LS_CHECK_ARG(weight.defined(), "a managed layer needs a weight");
   std::lock_guard<std::mutex> lock(mu_);
   Packed w, b;
-  auto layout_of = [](const at::Tensor& t) {
-    if (t.is_non_overlapping_and_dense()) return t.strides().vec();
-    const auto dense = c10::contiguous_strides(t.sizes());
-    return std::vector<std::int64_t>(dense.begin(), dense.end());
-  };
   w.sizes = weight.sizes().vec();
   w.strides = layout_of(weight);
   w.dtype = weight.scalar_type();
@@ -252,23 +257,22 @@ at::Tensor StreamedLayer::compute_forward(const at::Tensor& x) {
 }
 
 at::Tensor StreamedLayer::grad_to_host(at::Tensor grad, const at::Tensor& param) {
+  // The bytes travel in the staging tensor's layout, which is the Parameter's own (layout_of): autograd
+  // then adopts the staging tensor as .grad as it is (AccumulateGrad steals a gradient that obeys the
+  // layout contract and that nobody else references) instead of cloning it, which would copy memory the
+  // D2H copy has not filled yet.
+  const std::vector<std::int64_t> layout = layout_of(param);
   grad = as_dtype(grad, param.scalar_type());
-  const bool dense = param.is_non_overlapping_and_dense();
-  if (dense && grad.strides() != param.strides()) {  // the bytes must arrive in the Parameter's layout
-    at::Tensor laid = at::empty_strided(param.sizes(), param.strides(), grad.options());
+  if (grad.strides() != c10::IntArrayRef(layout)) {
+    at::Tensor laid = at::empty_strided(param.sizes(), layout, grad.options());
     laid.copy_(grad);
     grad = laid;
-  } else if (!dense) {
-    grad = grad.contiguous();
   }
   TransferEngine& engine = registered_engine();
   const StreamHandle producer = state_->consumer_stream();
-  // The staging tensor takes the Parameter's own layout: autograd then adopts it as .grad as it is
-  // (AccumulateGrad steals a gradient that obeys the layout contract and that nobody else references),
-  // instead of cloning it, which would copy memory the D2H copy has not filled yet.
-  auto options = at::TensorOptions().dtype(param.scalar_type()).pinned_memory(state_->mode() == Mode::kCuda);
-  at::Tensor staging = dense ? at::empty_strided(param.sizes(), param.strides(), options)
-                             : at::empty(param.sizes(), options);
+  at::Tensor staging = at::empty_strided(
+      param.sizes(), layout,
+      at::TensorOptions().dtype(param.scalar_type()).pinned_memory(state_->mode() == Mode::kCuda));
   engine.download(staging.data_ptr(), grad.data_ptr(), grad.nbytes(), producer);
 #ifdef LAYERSTREAM_TORCH_CUDA
   if (state_->mode() == Mode::kCuda) {

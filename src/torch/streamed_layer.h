@@ -61,9 +61,7 @@ class StreamedLayer : public torch::CustomClassHolder {
  private:
   struct Packed {
     std::vector<std::int64_t> sizes;
-    // The Parameter's own layout when it is dense (channels_last convs, transposed linears): the
-    // kernels, and so the bits, then match the all-resident layer. Otherwise contiguous.
-    std::vector<std::int64_t> strides;
+    std::vector<std::int64_t> strides;  // layout_of() the Parameter (streamed_layer.cc)
     at::ScalarType dtype = at::kFloat;
     std::size_t offset = 0;
     std::size_t bytes = 0;
