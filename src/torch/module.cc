@@ -8,10 +8,12 @@
 //
 // Lifetime: the installed forward holds the StreamedLayer (C++) and weak references to the layer and to
 // its `_layer_memory_manager` object, so no reference cycle hides from Python's garbage collector.
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 #include "device_state.h"
@@ -33,7 +35,11 @@ namespace {
 // _original_forward) live in its __dict__, which the garbage collector can traverse.
 struct LayerManager {
   c10::intrusive_ptr<StreamedLayer> layer;  // null on the generic and OstrisLinear paths
-  std::string path;                          // "streamed", "cpu", "generic" or "ostris"
+  std::string path;                          // "streamed", "cpu", "quantized", "generic" or "ostris"
+  // Quantized path: the weight object whose codes were packed, and the attribute names of its codes and
+  // scale (they differ between libraries).
+  py::object quant_weight;
+  std::string codes_attr, scale_attr;
   virtual ~LayerManager() = default;
 };
 struct LinearManager : LayerManager {};
@@ -156,6 +162,64 @@ bool needs_dequantize(const py::object& w) {
   return !w.attr("dtype").attr("is_floating_point").cast<bool>();
 }
 
+// A library-quantized weight layerstream streams natively: its codes and scale (attribute names), and
+// the dtypes of the library's dequantize(): ((codes.to(math) * scale) in math).to(result).
+struct QuantSource {
+  std::string library;
+  std::string codes_attr, scale_attr;
+  at::Tensor codes, scale;
+  at::ScalarType math = at::kFloat, result = at::kBFloat16;
+};
+
+bool is_code_dtype(at::ScalarType t) {
+  return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
+}
+
+bool is_real_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+
+// One scale per output row ([out, 1, ...]) or one for the tensor; other groupings take the generic path.
+bool scale_fits(const at::Tensor& scale, const at::Tensor& codes) {
+  if (!is_real_dtype(scale.scalar_type())) return false;
+  if (scale.numel() == 1) return true;
+  return scale.dim() == codes.dim() && scale.size(0) == codes.size(0) && scale.numel() == codes.size(0);
+}
+
+// optimum-quanto WeightQBytesTensor (qfloat8 e4m3/e5m2, qint8): dequantize() = scale * codes.to(scale
+// dtype). torchao Float8Tensor, weight-only: dequantize() = (codes.to(float32) * scale).to(dtype).
+std::optional<QuantSource> quant_source_of(const py::object& w) {
+  if (w.is_none()) return std::nullopt;
+  const py::object type = py::type::of(w);
+  const std::string name = type.attr("__name__").cast<std::string>();
+  const std::string mod = type.attr("__module__").cast<std::string>();
+  QuantSource q;
+  if (mod.rfind("optimum.quanto", 0) == 0 && name == "WeightQBytesTensor") {
+    const py::object axis = py::getattr(w, "axis", py::int_(0));
+    if (!axis.is_none() && axis.cast<int>() != 0) return std::nullopt;
+    q.library = "optimum-quanto";
+    q.codes_attr = "_data";
+    q.scale_attr = "_scale";
+  } else if (mod.rfind("torchao", 0) == 0 && name == "Float8Tensor") {
+    if (!py::getattr(w, "act_quant_kwargs", py::none()).is_none()) return std::nullopt;  // not weight-only
+    q.library = "torchao";
+    q.codes_attr = "qdata";
+    q.scale_attr = "scale";
+  } else {
+    return std::nullopt;
+  }
+  if (!py::hasattr(w, q.codes_attr.c_str()) || !py::hasattr(w, q.scale_attr.c_str())) return std::nullopt;
+  q.codes = w.attr(q.codes_attr.c_str()).cast<at::Tensor>();
+  q.scale = w.attr(q.scale_attr.c_str()).cast<at::Tensor>();
+  if (!is_code_dtype(q.codes.scalar_type()) || q.codes.numel() == 0 || !scale_fits(q.scale, q.codes)) return std::nullopt;
+  if (q.library == "torchao") {
+    q.math = at::kFloat;
+    q.result = w.cast<at::Tensor>().scalar_type();
+  } else {
+    q.math = q.result = q.scale.scalar_type();
+  }
+  if (!is_real_dtype(q.result)) return std::nullopt;
+  return q;
+}
+
 // Weight on the compute device in a form F.linear/F.conv2d accept (generic path).
 py::object materialize(const py::object& w, const py::object& device, const py::object& dtype) {
   if (w.is_none()) return w;
@@ -229,6 +293,47 @@ py::object ostris_forward(const py::object& module, const py::object& original, 
   }
 }
 
+// Packs the layer's quantized weight (moved to the host first if it is elsewhere) and its bias; the
+// weight object's codes and scale become views of the arena block.
+void pack_quantized(const py::object& module, LayerManager& core) {
+  move_params_to_cpu(module);
+  py::object w = module.attr("weight");
+  std::optional<QuantSource> q = quant_source_of(w);
+  LS_CHECK(q.has_value(), "the quantized weight of this layer changed to a kind layerstream does not stream natively");
+  const at::Tensor bias = tensor_or_undefined(py::getattr(module, "bias", py::none()));
+  auto views = core.layer->pack_quantized(q->codes, q->scale, q->math, q->result, bias);
+  py::setattr(w, q->codes_attr.c_str(), py::cast(views[0]));
+  py::setattr(w, q->scale_attr.c_str(), py::cast(views[1]));
+  core.quant_weight = w;
+  core.codes_attr = q->codes_attr;
+  core.scale_attr = q->scale_attr;
+}
+
+// Per call on the quantized path: a weight that takes a gradient goes through the library (generic
+// path: its autograd is right); a replaced weight, swapped codes or a replaced bias are packed again.
+py::object quantized_forward(const py::object& module, LayerManager& core, const py::object& x, bool conv,
+                             const std::shared_ptr<DeviceState>& state) {
+  py::object w = module.attr("weight");
+  if (at::GradMode::is_enabled() && w.cast<at::Tensor>().requires_grad()) {
+    log_once("quantized-trainable", LogLevel::kInfo,
+             "a quantized weight that requires grad runs through its library's own dequantize (no fast path); "
+             "freeze the base model (requires_grad_(False)) to stream it as stored");
+    return generic_forward(module, x, conv, state);
+  }
+  const at::Tensor bias = tensor_or_undefined(py::getattr(module, "bias", py::none()));
+  bool current = w.is(core.quant_weight) && py::hasattr(w, core.codes_attr.c_str());
+  if (current) current = core.layer->is_current(w.attr(core.codes_attr.c_str()).cast<at::Tensor>(), bias);
+  if (!current) {
+    if (!quant_source_of(w).has_value()) {
+      throw py::value_error("layerstream: this layer's weight was replaced by one it cannot stream (" +
+                            py::str(py::type::of(w)).cast<std::string>() +
+                            "); detach the layer (MemoryManager.detach) before replacing its weight with another kind");
+    }
+    pack_quantized(module, core);
+  }
+  return py::cast(core.layer->forward_frozen(x.cast<at::Tensor>(), tensor_or_undefined(py::getattr(module, "bias", py::none()))));
+}
+
 py::cpp_function make_forward(const py::object& module, const py::object& manager_obj,
                               c10::intrusive_ptr<StreamedLayer> layer, std::shared_ptr<DeviceState> state,
                               std::string path, bool conv) {
@@ -249,6 +354,7 @@ py::cpp_function make_forward(const py::object& module, const py::object& manage
     py::object x = args[0];
     if (path == "ostris") return ostris_forward(module, mgr.attr("_original_forward"), x, state);
     if (path == "generic") return generic_forward(module, x, conv, state);
+    if (path == "quantized") return quantized_forward(module, mgr.cast<LayerManager&>(), x, conv, state);
     const at::Tensor weight = module.attr("weight").cast<at::Tensor>();
     const at::Tensor bias = tensor_or_undefined(py::getattr(module, "bias", py::none()));
     return py::cast(layer->forward(x.cast<at::Tensor>(), weight, bias));
@@ -308,6 +414,11 @@ void attach(const py::object& module, const py::object& manager, Which which) {
                                                       conv ? conv_params_of(module) : ConvParams{});
       core.layer->pack(weight.cast<at::Tensor>(), tensor_or_undefined(bias));
       core.path = state->mode() == Mode::kCpu ? "cpu" : "streamed";
+    } else if (!empty && (!conv || conv_is_plain(module)) && is_plain(bias) && quant_source_of(weight).has_value()) {
+      core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,
+                                                      conv ? conv_params_of(module) : ConvParams{});
+      pack_quantized(module, core);
+      core.path = "quantized";
     } else {
       move_params_to_cpu(module);
       core.path = "generic";
@@ -479,7 +590,12 @@ PYBIND11_MODULE(manager_modules, m) {
 
   py::class_<LayerManager>(m, "BaseLayerMemoryManager", py::dynamic_attr())
       .def(py::init<>())
-      .def_readonly("path", &LayerManager::path, "How calls run: streamed, cpu, generic or ostris.")
+      .def_readonly("path", &LayerManager::path, "How calls run: streamed, cpu, quantized, generic or ostris.")
+      .def_property_readonly(
+          "stored_as", [](const LayerManager& m) -> py::object {
+            return m.layer ? py::cast(m.layer->stored_as()) : py::none();
+          },
+          "The dtype of the weight bytes in the arena (float8/int8 codes when quantized or compressed).")
       .def_property_readonly("packed_bytes", [](const LayerManager& lm) -> std::size_t {
         return lm.layer ? lm.layer->packed_bytes() : 0;
       });
@@ -513,6 +629,23 @@ PYBIND11_MODULE(manager_modules, m) {
 #ifdef LAYERSTREAM_TORCH_CUDA
   DeviceState::set_memory_resolver(&cuda_memory_view);
 #endif
+  m.def(
+      "_dequantize",
+      [](const at::Tensor& codes, const at::Tensor& scale, const std::string& out, const std::string& math,
+         bool use_core) {
+        auto dtype_of = [](const std::string& name) {
+          if (name == "float32") return at::kFloat;
+          if (name == "float16") return at::kHalf;
+          if (name == "bfloat16") return at::kBFloat16;
+          throw py::value_error("dtype must be float32, float16 or bfloat16, not '" + name + "'");
+        };
+        return dequantize_codes(codes, scale, dtype_of(math), dtype_of(out), use_core);
+      },
+      py::arg("codes"), py::arg("scale"), py::arg("out") = "bfloat16", py::arg("math") = "float32",
+      py::arg("use_core") = true,
+      "Codes (int8/float8) times a per-row (or single) scale, rounded to `math` then to `out`: the fused "
+      "CUDA kernel for CUDA tensors, its host reference for CPU ones (use_core=False: torch operations). "
+      "For tests and benchmarks.");
   m.def("sync_grad_transfers", [] {
     {
       auto states = DeviceState::live();

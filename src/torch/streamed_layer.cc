@@ -1,10 +1,13 @@
 #include "streamed_layer.h"
 
 #include <c10/util/strides.h>
+
+#include <cstdlib>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 
 #include "layerstream/check.h"
+#include "layerstream/dequant.h"
 #include "layerstream/log.h"
 
 #ifdef LAYERSTREAM_TORCH_CUDA
@@ -52,13 +55,15 @@ c10::intrusive_ptr<StreamedLayer> layer_of(AutogradContext* ctx) {
 
 struct StreamedFn : public torch::autograd::Function<StreamedFn> {
   // `bias` is optional: an undefined Tensor would be taken for a variable input.
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+  // `weight` is absent for quantized layers (their weight takes no gradient).
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& weight_opt,
                             const std::optional<at::Tensor>& bias_opt, c10::intrusive_ptr<StreamedLayer> layer) {
+    const at::Tensor weight = weight_opt.has_value() ? *weight_opt : at::Tensor();
     const at::Tensor bias = bias_opt.has_value() ? *bias_opt : at::Tensor();
     at::Tensor out = layer->compute_forward(x);
     // Upstream autograd of linear saves the input only when the weight needs a gradient; convolution
     // always saves it (its backward needs it for the input gradient's shape and algorithm choice).
-    const bool save_x = layer->kind() == LayerKind::kConv2d || weight.requires_grad();
+    const bool save_x = layer->kind() == LayerKind::kConv2d || (weight.defined() && weight.requires_grad());
     ctx->save_for_backward({save_x ? x : at::Tensor(), weight, bias});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["x_col_major"] =
@@ -71,9 +76,11 @@ struct StreamedFn : public torch::autograd::Function<StreamedFn> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    // Without a bias there are only two input edges.
-    const std::array<bool, 3> needs{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
-                                    saved[2].defined() && ctx->needs_input_grad(2)};
+    // An absent weight or bias (nullopt) is not an autograd input: needs_input_grad counts only the
+    // inputs that are there.
+    const bool has_w = saved[1].defined(), has_b = saved[2].defined();
+    const std::array<bool, 3> needs{ctx->needs_input_grad(0), has_w && ctx->needs_input_grad(1),
+                                    has_b && ctx->needs_input_grad(has_w ? 2 : 1)};
     auto result = layer_of(ctx)->compute_backward(
         grads[0], saved[0], ctx->saved_data["x_sizes"].toIntVector(),
         ctx->saved_data["x_col_major"].toBool(), ctx->saved_data["x_fused"].toBool(), saved[1],
@@ -109,81 +116,285 @@ bool StreamedLayer::matches(const Packed& p, const at::Tensor& t) {
   return t.defined() && t.unsafeGetTensorImpl() == p.impl && t.data_ptr() == p.data;
 }
 
-void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
-  LS_CHECK_ARG(weight.defined(), "a managed layer needs a weight");
-  std::lock_guard<std::mutex> lock(mu_);
-  Packed w, b;
-  w.sizes = weight.sizes().vec();
-  w.strides = layout_of(weight);
-  w.dtype = weight.scalar_type();
-  w.bytes = static_cast<std::size_t>(weight.numel()) * weight.element_size();
-  w.defined = true;
-  std::size_t total = w.bytes;
-  if (bias.defined()) {
-    b.sizes = bias.sizes().vec();
-    b.strides = layout_of(bias);
-    b.dtype = bias.scalar_type();
-    b.bytes = static_cast<std::size_t>(bias.numel()) * bias.element_size();
-    b.offset = align_up(w.bytes);
-    b.defined = true;
-    total = b.offset + b.bytes;
+namespace {
+
+// LAYERSTREAM_HOST_DTYPE: how frozen floating-point weights are kept in the arena (and cross the bus).
+std::optional<at::ScalarType> host_dtype_setting() {
+  const char* v = std::getenv("LAYERSTREAM_HOST_DTYPE");
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  const std::string s(v);
+  if (s == "float8_e4m3fn") return at::kFloat8_e4m3fn;
+  if (s == "float8_e5m2") return at::kFloat8_e5m2;
+  if (s == "same") return std::nullopt;
+  LS_CHECK_ARG(false, "LAYERSTREAM_HOST_DTYPE=", s,
+               " is not a setting layerstream knows: use float8_e4m3fn or float8_e5m2 (frozen weights kept and "
+               "streamed as 8-bit codes with a scale per output channel), or unset it (or 'same') to stream "
+               "weights as they are");
+  return std::nullopt;
+}
+
+std::optional<CodeType> code_type_of(at::ScalarType t) {
+  if (t == at::kFloat8_e4m3fn) return CodeType::kFloat8E4M3;
+  if (t == at::kFloat8_e5m2) return CodeType::kFloat8E5M2;
+  if (t == at::kChar) return CodeType::kInt8;
+  return std::nullopt;
+}
+
+std::optional<RealType> real_type_of(at::ScalarType t) {
+  if (t == at::kFloat) return RealType::kFloat32;
+  if (t == at::kHalf) return RealType::kFloat16;
+  if (t == at::kBFloat16) return RealType::kBFloat16;
+  return std::nullopt;
+}
+
+// One scale per output row (shape [out, 1, ...]) or one scale for the tensor.
+bool per_row_or_single(const std::vector<std::int64_t>& scale_sizes, const std::vector<std::int64_t>& codes_sizes) {
+  std::int64_t numel = 1;
+  for (auto d : scale_sizes) numel *= d;
+  if (numel == 1) return true;
+  if (scale_sizes.size() != codes_sizes.size() || scale_sizes[0] != codes_sizes[0]) return false;
+  return numel == codes_sizes[0];
+}
+
+double float8_max(at::ScalarType t) { return t == at::kFloat8_e4m3fn ? 448.0 : 57344.0; }
+
+}  // namespace
+
+std::shared_ptr<HostBlockRef> StreamedLayer::new_block(const std::vector<std::pair<Packed*, at::Tensor>>& parts,
+                                                       std::vector<at::Tensor>& views) {
+  std::size_t total = 0;
+  for (const auto& [p, src] : parts) {
+    p->offset = align_up(total);
+    total = p->offset + p->bytes;
   }
   LS_CHECK_ARG(total > 0, "a managed layer needs a non-empty weight");
-
   auto block = std::make_shared<HostBlockRef>(state_->pool(), total);
-  auto view_of = [&](const Packed& p, const at::Tensor& source) {
-    // The view's storage owns a reference to the block: the host bytes live as long as any tensor
-    // (or this layer) uses them.
+  views.clear();
+  for (const auto& [p, src] : parts) {
+    // The view's storage owns a reference to the block: the host bytes live as long as any tensor (or
+    // this layer) uses them.
     auto keep = block;
-    at::Tensor view = at::from_blob(
-        block->data() + p.offset, p.sizes, p.strides, [keep](void*) {},
-        at::TensorOptions().dtype(p.dtype).device(at::kCPU));
-    {
-      at::NoGradGuard no_grad;
-      view.copy_(source.detach());
-    }
-    return view;
-  };
-  at::Tensor w_view = view_of(w, weight);
-  at::Tensor b_view = b.defined ? view_of(b, bias) : at::Tensor();
-
-  // Swap the Parameters' data (identity kept), then remember what they must look like.
-  at::Tensor(weight).set_data(w_view);
-  if (b.defined) at::Tensor(bias).set_data(b_view);
-  w.impl = weight.unsafeGetTensorImpl();
-  w.data = weight.data_ptr();
-  w.version = weight._version();
-  if (b.defined) {
-    b.impl = bias.unsafeGetTensorImpl();
-    b.data = bias.data_ptr();
-    b.version = bias._version();
+    at::Tensor view = at::from_blob(block->data() + p->offset, p->sizes, p->strides, [keep](void*) {},
+                                    at::TensorOptions().dtype(p->dtype).device(at::kCPU));
+    at::NoGradGuard no_grad;
+    view.copy_(src.detach());
+    views.push_back(view);
   }
+  return block;
+}
 
-  // Leave the old registration (its host bytes stay valid until the engine has let go of them).
+void StreamedLayer::install(std::shared_ptr<HostBlockRef> block, Packed w, Packed b, std::optional<QuantParts> q) {
   if (TransferEngine* engine = engine_if_registered()) engine->remove_layer(id_);
   id_ = 0;
   generation_ = 0;
   block_ = std::move(block);
   weight_ = std::move(w);
   bias_ = std::move(b);
+  quant_ = std::move(q);
+}
+
+namespace {
+
+using Packed = StreamedLayer::Packed;
+
+std::vector<std::int64_t> contiguous_layout(const at::Tensor& t) {
+  const auto dense = c10::contiguous_strides(t.sizes());
+  return std::vector<std::int64_t>(dense.begin(), dense.end());
+}
+
+Packed describe(const at::Tensor& t, std::vector<std::int64_t> strides, at::ScalarType dtype) {
+  Packed p;
+  p.sizes = t.sizes().vec();
+  p.strides = std::move(strides);
+  p.dtype = dtype;
+  p.bytes = static_cast<std::size_t>(t.numel()) * c10::elementSize(dtype);
+  p.defined = true;
+  return p;
+}
+
+void remember_identity(Packed& p, const at::Tensor& t) {
+  p.impl = t.unsafeGetTensorImpl();
+  p.data = t.data_ptr();
+  p.version = t._version();
+}
+
+}  // namespace
+
+void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
+  LS_CHECK_ARG(weight.defined(), "a managed layer needs a weight");
+  const std::optional<at::ScalarType> host_dtype = host_dtype_setting();
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto wt = weight.scalar_type();
+  const bool compress = host_dtype.has_value() && !weight.requires_grad() && weight.numel() > 0 &&
+                        (wt == at::kBFloat16 || wt == at::kHalf || wt == at::kFloat);
+  Packed w, b;
+  std::optional<QuantParts> q;
+  std::vector<std::pair<Packed*, at::Tensor>> parts;
+  at::Tensor codes, scale;
+  if (compress) {
+    // Frozen weight kept as 8-bit codes with a float32 scale per output channel (amax / largest code);
+    // the Parameter keeps its exact values in ordinary (pageable) host memory, outside the arena.
+    const at::Tensor wf = weight.detach().to(at::kCPU).to(at::kFloat);
+    std::vector<std::int64_t> rest;
+    for (std::int64_t d = 1; d < wf.dim(); ++d) rest.push_back(d);
+    at::Tensor amax = rest.empty() ? wf.abs() : wf.abs().amax(rest, /*keepdim=*/true);
+    scale = amax / float8_max(*host_dtype);
+    scale.masked_fill_(scale == 0, 1.0);
+    codes = (wf / scale).clamp(-float8_max(*host_dtype), float8_max(*host_dtype)).to(*host_dtype);
+    w = describe(codes, codes.strides().vec(), *host_dtype);
+    q.emplace();
+    q->scale = describe(scale, scale.strides().vec(), at::kFloat);
+    q->math = at::kFloat;
+    q->result = wt;
+    q->compressed = true;
+    parts = {{&w, codes}, {&q->scale, scale}};
+  } else {
+    w = describe(weight, layout_of(weight), wt);
+    parts = {{&w, weight}};
+  }
+  if (bias.defined()) {
+    b = describe(bias, layout_of(bias), bias.scalar_type());
+    parts.push_back({&b, bias});
+  }
+  std::vector<at::Tensor> views;
+  auto block = new_block(parts, views);
+
+  // Swap the Parameters' data (identity kept), then remember what they must look like.
+  if (compress) {
+    if (!weight.is_cpu()) at::Tensor(weight).set_data(weight.detach().to(at::kCPU));
+  } else {
+    at::Tensor(weight).set_data(views[0]);
+  }
+  if (b.defined) at::Tensor(bias).set_data(views.back());
+  remember_identity(w, weight);
+  if (b.defined) remember_identity(b, bias);
+  install(std::move(block), std::move(w), std::move(b), std::move(q));
+  compress_frozen_ = host_dtype.has_value();
+}
+
+std::array<at::Tensor, 2> StreamedLayer::pack_quantized(const at::Tensor& codes, const at::Tensor& scale,
+                                                        at::ScalarType math, at::ScalarType result,
+                                                        const at::Tensor& bias) {
+  LS_CHECK_ARG(codes.defined() && codes.numel() > 0, "a quantized layer needs non-empty codes");
+  LS_CHECK_ARG(code_type_of(codes.scalar_type()).has_value(), "quantized weights must be int8 or float8 codes, not ",
+               codes.scalar_type());
+  LS_CHECK_ARG(per_row_or_single(scale.sizes().vec(), codes.sizes().vec()),
+               "a quantized weight needs one scale per output row or one scale, not a scale of shape ", scale.sizes());
+  std::lock_guard<std::mutex> lock(mu_);
+  Packed w = describe(codes, contiguous_layout(codes), codes.scalar_type());
+  QuantParts q;
+  q.scale = describe(scale, contiguous_layout(scale), scale.scalar_type());
+  q.math = math;
+  q.result = result;
+  Packed b;
+  std::vector<std::pair<Packed*, at::Tensor>> parts{{&w, codes}, {&q.scale, scale}};
+  if (bias.defined()) {
+    b = describe(bias, layout_of(bias), bias.scalar_type());
+    parts.push_back({&b, bias});
+  }
+  std::vector<at::Tensor> views;
+  auto block = new_block(parts, views);
+  if (b.defined) {
+    at::Tensor(bias).set_data(views[2]);
+    remember_identity(b, bias);
+  }
+  remember_identity(w, views[0]);  // the caller puts this very tensor into the weight object
+  install(std::move(block), std::move(w), std::move(b), std::move(q));
+  return {views[0], views[1]};
+}
+
+std::string StreamedLayer::stored_as() const {
+  return std::string(c10::toString(weight_.dtype));
+}
+
+bool StreamedLayer::is_current(const at::Tensor& weight, const at::Tensor& bias) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!matches(weight_, weight) || !matches(bias_, bias)) return false;  // replaced, or data swapped
+  const bool w_same = weight._version() == weight_.version;
+  const bool b_same = !bias_.defined || bias._version() == bias_.version;
+  if (w_same && b_same) return true;
+  // Codes made from the weight's values must be made again.
+  if (!w_same && quant_) return false;
+  // Modified in place (an optimizer step on a trainable layer): the arena holds the new bytes already;
+  // the device copy is stale.
+  if (TransferEngine* engine = engine_if_registered()) engine->begin_host_write(id_);
+  weight_.version = weight._version();
+  if (bias_.defined) bias_.version = bias._version();
+  return true;
 }
 
 void StreamedLayer::refresh(const at::Tensor& weight, const at::Tensor& bias) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (matches(weight_, weight) && matches(bias_, bias)) {
-      const bool w_same = weight._version() == weight_.version;
-      const bool b_same = !bias_.defined || bias._version() == bias_.version;
-      if (w_same && b_same) return;
-      // Modified in place (an optimizer step on a trainable layer): the arena holds the new bytes
-      // already; the device copy is stale.
-      if (TransferEngine* engine = engine_if_registered()) engine->begin_host_write(id_);
-      weight_.version = weight._version();
-      if (bias_.defined) bias_.version = bias._version();
-      return;
+  // LAYERSTREAM_HOST_DTYPE applies to frozen weights: one frozen after it was packed gets compressed now,
+  // one made trainable again is stored as it is (its gradient and updates need the exact values).
+  const bool compress_now = compress_frozen_ && !quant_ && !weight.requires_grad();
+  const bool expand_now = quant_ && quant_->compressed && weight.requires_grad();
+  if (compress_now || expand_now || !is_current(weight, bias)) pack(weight, bias);
+}
+
+at::Tensor StreamedLayer::host_view(const Packed& p) const {
+  if (!p.defined) return at::Tensor();
+  return at::from_blob(block_->data() + p.offset, p.sizes, p.strides,
+                       at::TensorOptions().dtype(p.dtype).device(at::kCPU));
+}
+
+at::Tensor dequantize_codes(const at::Tensor& codes, const at::Tensor& scale, at::ScalarType math,
+                            at::ScalarType result, bool use_core) {
+  LS_CHECK_ARG(codes.device() == scale.device(), "codes and scale must be on one device, not ", codes.device(),
+               " and ", scale.device());
+  const auto code = code_type_of(codes.scalar_type());
+  const auto scale_type = real_type_of(scale.scalar_type());
+  const auto math_type = real_type_of(math);
+  const auto result_type = real_type_of(result);
+  const bool fits = code && scale_type && math_type && result_type &&
+                    (math == at::kFloat || math == scale.scalar_type()) && codes.numel() > 0 &&
+                    codes.is_contiguous() && scale.is_contiguous() &&
+                    per_row_or_single(scale.sizes().vec(), codes.sizes().vec());
+  const bool on_cuda = codes.is_cuda();
+#ifndef LAYERSTREAM_WITH_CUDA
+  use_core = use_core && !on_cuda;
+#endif
+  if (fits && use_core) {
+    DequantSpec spec;
+    spec.code = *code;
+    spec.scale = *scale_type;
+    spec.math = *math_type;
+    spec.out = *result_type;
+    spec.rows = static_cast<std::size_t>(codes.size(0));
+    spec.cols = static_cast<std::size_t>(codes.numel() / codes.size(0));
+    spec.per_row = scale.numel() != 1;
+    at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(result));
+    if (!on_cuda) {
+      dequantize_host(spec, codes.data_ptr(), scale.data_ptr(), out.data_ptr());
+      return out;
     }
+#if defined(LAYERSTREAM_WITH_CUDA) && defined(LAYERSTREAM_TORCH_CUDA)
+    // On torch's current stream of the codes' device (the stream the layer computes on).
+    const c10::cuda::CUDAGuard guard(codes.device().index());
+    dequantize_cuda(spec, codes.data_ptr(), scale.data_ptr(), out.data_ptr(),
+                    c10::cuda::getCurrentCUDAStream(codes.device().index()).stream());
+    return out;
+#endif
   }
-  pack(weight, bias);  // replaced, or data swapped: pack the new tensors
+  // The same formula with torch operations.
+  return (codes.to(math) * scale.to(math)).to(result);
+}
+
+at::Tensor StreamedLayer::dequantize(const at::Tensor& codes, const at::Tensor& scale, bool on_device) const {
+  // The simulator's "device" copy is host memory: the kernel's host reference computes it, so CI runs the
+  // routine the CUDA kernel mirrors. A CPU process device uses torch operations (upstream's math).
+  const bool use_core = on_device || state_->mode() == Mode::kSim;
+  return dequantize_codes(codes, scale, quant_->math, quant_->result, use_core);
+}
+
+at::Tensor StreamedLayer::compute_on_host(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const {
+  // Upstream behaviour for a non-CUDA process device: compute on the CPU, return on x's device.
+  const at::Tensor xc = x.to(at::kCPU);
+  const auto dtype = compute_dtype(xc);
+  at::Tensor out = kind_ == LayerKind::kLinear
+                       ? at::linear(as_dtype(xc, dtype), as_dtype(w, dtype), as_dtype(b, dtype))
+                       : at::conv2d(as_dtype(xc, dtype), as_dtype(w, dtype), as_dtype(b, dtype), conv_.stride,
+                                    conv_.padding, conv_.dilation, conv_.groups);
+  return out.to(x.device());
 }
 
 TransferEngine& StreamedLayer::registered_engine() {
@@ -217,7 +428,9 @@ auto StreamedLayer::with_device_weights(Fn&& fn) {
     } else {
       engine.wait_ready(lease, consumer);
     }
-    auto result = fn(view(weight_), view(bias_));
+    at::Tensor w = view(weight_);
+    if (quant_) w = dequantize(w, view(quant_->scale), !on_host);
+    auto result = fn(w, view(bias_));
     engine.release(lease, consumer);  // after every kernel that reads the region was enqueued
     return result;
   } catch (...) {
@@ -229,17 +442,28 @@ auto StreamedLayer::with_device_weights(Fn&& fn) {
 at::Tensor StreamedLayer::forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   refresh(weight, bias);
   if (state_->mode() == Mode::kCpu) {
-    // Upstream behaviour for a non-CUDA process device: compute on the CPU, return on x's device.
-    const at::Tensor xc = x.to(at::kCPU);
-    const auto dtype = compute_dtype(xc);
-    at::Tensor out = kind_ == LayerKind::kLinear
-                         ? at::linear(as_dtype(xc, dtype), as_dtype(weight, dtype), as_dtype(bias, dtype))
-                         : at::conv2d(as_dtype(xc, dtype), as_dtype(weight, dtype), as_dtype(bias, dtype),
-                                      conv_.stride, conv_.padding, conv_.dilation, conv_.groups);
-    return out.to(x.device());
+    at::Tensor w = weight;
+    if (quant_) {
+      std::lock_guard<std::mutex> lock(mu_);
+      w = dequantize(host_view(weight_), host_view(quant_->scale), false);
+    }
+    return compute_on_host(x, w, bias);
   }
   const std::optional<at::Tensor> bias_opt = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
   return StreamedFn::apply(x, weight, bias_opt, c10::intrusive_ptr<StreamedLayer>::reclaim_copy(this));
+}
+
+at::Tensor StreamedLayer::forward_frozen(const at::Tensor& x, const at::Tensor& bias) {
+  if (state_->mode() == Mode::kCpu) {
+    at::Tensor w;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      w = dequantize(host_view(weight_), host_view(quant_->scale), false);
+    }
+    return compute_on_host(x, w, bias);
+  }
+  const std::optional<at::Tensor> bias_opt = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
+  return StreamedFn::apply(x, std::nullopt, bias_opt, c10::intrusive_ptr<StreamedLayer>::reclaim_copy(this));
 }
 
 at::Tensor StreamedLayer::compute_forward(const at::Tensor& x) {

@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "device_state.h"
@@ -32,33 +34,16 @@ struct ConvParams {
   std::int64_t groups = 1;
 };
 
+// Codes (int8/float8) and a scale (one per output row, or one) -> the weight in `result`:
+// ((codes.to(math) * scale) rounded to math).to(result), the libraries' formula (layerstream/dequant.h).
+// With `use_core`, the core computes it (the fused kernel for CUDA tensors, on torch's current stream;
+// the host reference for host tensors) where the layout allows; otherwise torch operations do.
+at::Tensor dequantize_codes(const at::Tensor& codes, const at::Tensor& scale, at::ScalarType math,
+                            at::ScalarType result, bool use_core);
+
 class StreamedLayer : public torch::CustomClassHolder {
  public:
-  StreamedLayer(std::shared_ptr<DeviceState> state, LayerKind kind, ConvParams conv = {});
-  ~StreamedLayer() override;
-
-  // Moves `weight` (and `bias`, which may be undefined) into one arena block and makes the Parameters
-  // views of it (Parameter identity is kept, so optimizers and references stay valid).
-  void pack(const at::Tensor& weight, const at::Tensor& bias);
-  // Called at every use: re-packs when the Parameters were replaced or their data swapped, and drops
-  // the device copy when they were modified in place.
-  void refresh(const at::Tensor& weight, const at::Tensor& bias);
-
-  // The managed forward: weight and bias are the layer's current Parameters (autograd inputs).
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
-
-  // Used by the autograd functions.
-  at::Tensor compute_forward(const at::Tensor& x);
-  std::array<at::Tensor, 3> compute_backward(const at::Tensor& grad_out, const at::Tensor& x,
-                                             const std::vector<std::int64_t>& x_sizes, bool x_col_major,
-                                             bool x_fused, const at::Tensor& weight, const at::Tensor& bias,
-                                             std::array<bool, 3> needs);
-
-  LayerKind kind() const { return kind_; }
-  const std::shared_ptr<DeviceState>& state() const { return state_; }
-  std::size_t packed_bytes() const;
-
- private:
+  // Where one tensor of the layer lies in its arena block, and which tensor it was packed from.
   struct Packed {
     std::vector<std::int64_t> sizes;
     std::vector<std::int64_t> strides;  // layout_of() the Parameter (streamed_layer.cc)
@@ -70,6 +55,70 @@ class StreamedLayer : public torch::CustomClassHolder {
     std::uint32_t version = 0;
     bool defined = false;
   };
+  // A weight stored as codes and a scale (weight_ then describes the codes).
+  struct QuantParts {
+    Packed scale;
+    at::ScalarType math = at::kFloat;
+    at::ScalarType result = at::kBFloat16;
+    bool compressed = false;  // made here from a plain Parameter (LAYERSTREAM_HOST_DTYPE)
+  };
+
+  StreamedLayer(std::shared_ptr<DeviceState> state, LayerKind kind, ConvParams conv = {});
+  ~StreamedLayer() override;
+
+  // Moves `weight` (and `bias`, which may be undefined) into one arena block and makes the Parameters
+  // views of it (Parameter identity is kept, so optimizers and references stay valid).
+  void pack(const at::Tensor& weight, const at::Tensor& bias);
+  // Called at every use: re-packs when the Parameters were replaced or their data swapped, and drops
+  // the device copy when they were modified in place.
+  void refresh(const at::Tensor& weight, const at::Tensor& bias);
+  // False when `weight` (the Parameter, or the codes tensor of a quantized weight) or `bias` is not what
+  // was packed, or a quantized/compressed weight was modified in place: the caller must pack again. A
+  // plain weight modified in place stays current (its device copy is dropped).
+  bool is_current(const at::Tensor& weight, const at::Tensor& bias);
+
+  // A weight quantized by a library (optimum-quanto, torchao): its codes (int8/float8, the weight's
+  // shape) and its scale (one per output row, or one) go into the arena; the device gets the codes as
+  // stored and dequantizes them per use: ((codes.to(math) * scale) rounded to math).to(result), the
+  // libraries' own formula. Returns the arena views of codes and scale, which the caller puts back into
+  // the weight object (so the host copy exists once). The bias (plain) is packed as pack() does.
+  std::array<at::Tensor, 2> pack_quantized(const at::Tensor& codes, const at::Tensor& scale, at::ScalarType math,
+                                           at::ScalarType result, const at::Tensor& bias);
+  // The managed forward of a layer whose weight takes no gradient (quantized): only x and the bias are
+  // autograd inputs.
+  at::Tensor forward_frozen(const at::Tensor& x, const at::Tensor& bias);
+  // "float8_e4m3fn" / "float8_e5m2" when the weight is stored compressed (LAYERSTREAM_HOST_DTYPE) or
+  // quantized, else the weight's dtype; for stats and tests.
+  std::string stored_as() const;
+
+  // The managed forward: weight and bias are the layer's current Parameters (autograd inputs).
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+
+  // Used by the autograd functions.
+  at::Tensor compute_forward(const at::Tensor& x);
+  std::array<at::Tensor, 3> compute_backward(const at::Tensor& grad_out, const at::Tensor& x,
+                                             const std::vector<std::int64_t>& x_sizes, bool x_col_major,
+                                             bool x_fused, const at::Tensor& weight, const at::Tensor& bias,
+                                             std::array<bool, 3> needs);
+
+  bool quantized() const { return quant_.has_value(); }
+  LayerKind kind() const { return kind_; }
+  const std::shared_ptr<DeviceState>& state() const { return state_; }
+  std::size_t packed_bytes() const;
+
+ private:
+
+
+  // A new block holding `parts` one after another (each 256-byte aligned; their sizes, strides and dtype
+  // set, offsets set here), each filled from its source; `views` gets the host views in that order.
+  std::shared_ptr<HostBlockRef> new_block(const std::vector<std::pair<Packed*, at::Tensor>>& parts,
+                                          std::vector<at::Tensor>& views);
+  // Makes the new block current (the previous registration is left; its bytes stay valid until the
+  // engine lets go of them). Caller holds mu_.
+  void install(std::shared_ptr<HostBlockRef> block, Packed w, Packed b, std::optional<QuantParts> q);
+  at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, bool on_device) const;
+  at::Tensor host_view(const Packed& p) const;
+  at::Tensor compute_on_host(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const;
 
   // Runs `fn(weight_view, bias_view)` with the layer fetched onto the device and releases it after.
   template <typename Fn>
@@ -86,6 +135,8 @@ class StreamedLayer : public torch::CustomClassHolder {
   std::mutex mu_;
   std::shared_ptr<HostBlockRef> block_;
   Packed weight_, bias_;
+  std::optional<QuantParts> quant_;
+  bool compress_frozen_ = false;  // LAYERSTREAM_HOST_DTYPE was set when the layer was last packed
   std::uint64_t generation_ = 0;  // engine generation the layer is registered in
   LayerId id_ = 0;
 };

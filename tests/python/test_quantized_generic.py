@@ -1,5 +1,6 @@
-"""Tensor-subclass and quantized weights through the generic path: nothing crashes, nothing stays on the
-device, and outputs are those of the library's own layer (or of its dequantized weight)."""
+"""Tensor-subclass and quantized weights as their libraries run them: nothing crashes, nothing stays on the
+device, and outputs are those of the library's own layer (or of its dequantized weight). Kinds layerstream
+knows take the fast path (test_quantized.py); others the generic path."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def test_torchao_float8_weight_only_linear(engine, device):
     expected = torch.nn.functional.linear(x, layer.weight.dequantize().to(torch.bfloat16), layer.bias)
     library = layer(x)
     mm.LinearLayerMemoryManager.attach(layer, Manager(device))
-    assert layer._layer_memory_manager.path == "generic"
+    assert layer._layer_memory_manager.path == "quantized"  # the fast path (test_quantized.py)
     assert layer.weight.device.type == "cpu"
     out = layer(x)
     assert torch.equal(out, expected)
@@ -54,7 +55,7 @@ def test_optimum_quanto_qlinear_matches_the_library(engine, device, qtype):
     for layer in (model[0], model[2]):
         assert type(layer).__name__ == "QLinear"
         mm.LinearLayerMemoryManager.attach(layer, Manager(device))
-        assert layer._layer_memory_manager.path == "generic"
+        assert layer._layer_memory_manager.path == "quantized"
         assert layer.weight.device.type == "cpu"
     with torch.no_grad():
         assert torch.equal(model(x), expected)

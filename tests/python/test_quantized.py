@@ -1,0 +1,221 @@
+"""Quantized and compressed weights on the fast path: the codes and scales live in the pinned arena at
+their stored size, cross the bus as stored and are dequantized where the layer computes (the fused kernel
+on CUDA, its host reference on the simulator, torch operations on a CPU process device). Outputs and
+gradients are bitwise those of the library's own dequantize() followed by the same layer math."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from layerstream import manager_modules as mm
+
+quanto = pytest.importorskip("optimum.quanto", reason="optimum-quanto is not installed")
+
+
+class Manager:
+    def __init__(self, device):
+        self.process_device = torch.device(device)
+
+
+def _align(n: int) -> int:
+    return (n + 255) // 256 * 256
+
+
+def _quanto_layer(qtype: str, dtype: torch.dtype, conv: bool = False, seed: int = 0):
+    torch.manual_seed(seed)
+    base = torch.nn.Conv2d(16, 24, 3, padding=1) if conv else torch.nn.Linear(64, 48)
+    model = torch.nn.Sequential(base).to(dtype)
+    quanto.quantize(model, weights=getattr(quanto, qtype))
+    quanto.freeze(model)
+    model.requires_grad_(False)
+    return model[0]
+
+
+def _reference(layer, x, conv):
+    """The library's dequantize() then the layer's math, on the device the managed call computes on."""
+    w = layer.weight.dequantize()
+    b = layer.bias
+    if conv:
+        return F.conv2d(x, w, b, layer.stride, layer.padding, layer.dilation, layer.groups)
+    return F.linear(x, w, b)
+
+
+def _forward_backward(fn, x, bias):
+    x = x.detach().clone().requires_grad_(True)
+    bias.grad = None
+    out = fn(x)
+    out.float().square().sum().backward()
+    mm.sync_grad_transfers()
+    return out.detach(), x.grad, bias.grad.clone()
+
+
+@pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("qtype", ["qint8", "qfloat8", "qfloat8_e5m2"])
+def test_quanto_weights_stream_as_stored_and_compute_bitwise(engine, device, qtype, dtype, conv):
+    layer = _quanto_layer(qtype, dtype, conv).to(device)
+    layer.bias.requires_grad_(True)  # a trainable bias beside the frozen quantized weight
+    x = torch.randn((2, 16, 6, 6) if conv else (5, 64), dtype=dtype, device=device)
+    expected = _forward_backward(lambda t: _reference(layer, t, conv), x, layer.bias)
+    codes_bytes = layer.weight._data.numel()
+    scale_bytes = layer.weight._scale.numel() * layer.weight._scale.element_size()
+
+    cls = mm.ConvLayerMemoryManager if conv else mm.LinearLayerMemoryManager
+    cls.attach(layer, Manager(device))
+    lmm = layer._layer_memory_manager
+    assert lmm.path == "quantized"
+    assert lmm.stored_as == {"qint8": "Char", "qfloat8": "Float8_e4m3fn", "qfloat8_e5m2": "Float8_e5m2"}[qtype]
+    # One block: the codes at their stored size, the scales, the bias; nothing dequantized on the host.
+    bias_bytes = layer.bias.numel() * layer.bias.element_size()
+    assert lmm.packed_bytes == _align(_align(codes_bytes) + scale_bytes) + bias_bytes
+    # The weight object's codes and scale are views of the arena (on the host); the object is the same.
+    assert layer.weight._data.device.type == "cpu" and layer.weight._scale.device.type == "cpu"
+    if engine == "cuda":
+        assert layer.weight._data.is_pinned()
+    got = _forward_backward(layer, x, layer.bias)
+    for g, e, what in zip(got, expected, ("output", "grad input", "grad bias")):
+        assert g.device == e.device and torch.equal(g, e), what
+    assert layer.weight.grad is None
+
+
+def test_torchao_float8_weight_only_streams_as_stored(engine, device):
+    quant = pytest.importorskip("torchao.quantization", reason="torchao is not installed")
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 40)).to(torch.bfloat16)
+    quant.quantize_(model, quant.Float8WeightOnlyConfig())
+    model.requires_grad_(False)
+    layer = model[0].to(device)
+    x = torch.randn(3, 7, 64, dtype=torch.bfloat16, device=device)
+    expected = F.linear(x, layer.weight.dequantize(), layer.bias)
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    lmm = layer._layer_memory_manager
+    assert lmm.path == "quantized" and lmm.stored_as == "Float8_e4m3fn"
+    assert lmm.packed_bytes == _align(_align(64 * 40) + 40 * 4) + 40 * 2  # codes, float32 scales, bias
+    assert layer.weight.qdata.device.type == "cpu"
+    with torch.no_grad():
+        assert torch.equal(layer(x), expected)
+
+
+def test_a_trainable_quantized_weight_goes_through_its_library(engine, device, caplog):
+    layer = _quanto_layer("qfloat8", torch.bfloat16, seed=5).to(device)
+    layer.weight.requires_grad_(True)
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    x = torch.randn(4, 64, dtype=torch.bfloat16, device=device)
+    with caplog.at_level(logging.INFO, logger="layerstream"):
+        out = layer(x)
+    # The library's own autograd gives the weight its gradient (the fast path would not).
+    out.float().sum().backward()
+    assert layer.weight.grad is not None
+    with torch.no_grad():
+        assert torch.equal(layer(x), _reference(layer, x, False))
+
+
+def test_a_replaced_quantized_weight_is_packed_again(engine, device):
+    layer = _quanto_layer("qint8", torch.bfloat16, seed=6).to(device)
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    x = torch.randn(2, 64, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        first = layer(x)
+        other = _quanto_layer("qfloat8", torch.bfloat16, seed=7)
+        layer.weight = other.weight  # a new quantized weight object, of another kind
+        assert torch.equal(layer(x), _reference(layer, x, False))
+        assert not torch.equal(layer(x), first)
+        assert layer._layer_memory_manager.stored_as == "Float8_e4m3fn"
+
+
+def test_quantized_layers_leave_no_host_memory_behind(engine, device):
+    if engine == "cpu":
+        pytest.skip("the CPU process device has no engine statistics to read")
+    layers = [_quanto_layer("qfloat8", torch.bfloat16, seed=s) for s in range(3)]
+    for layer in layers:
+        mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    with torch.no_grad():
+        for layer in layers:
+            layer(torch.randn(1, 64, dtype=torch.bfloat16, device=device))
+    assert mm.stats()["host_bytes_requested"] == sum(l._layer_memory_manager.packed_bytes for l in layers)
+    del layers, layer
+    import gc
+
+    gc.collect()
+    assert mm.stats()["host_bytes_requested"] == 0
+
+
+# ---- opt-in host compression of plain bf16/fp16 weights (LAYERSTREAM_HOST_DTYPE) -------------------------
+
+
+def _compressed_reference(w: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    """What layerstream streams: codes with a float32 scale per output channel (amax / largest code)."""
+    top = torch.finfo(fp8).max
+    wf = w.detach().float()
+    scale = wf.abs().amax(dim=tuple(range(1, wf.dim())), keepdim=True) / top
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    codes = (wf / scale).clamp(-top, top).to(fp8)
+    return (codes.float() * scale).to(w.dtype)
+
+
+@pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv"])
+def test_host_compression_streams_half_the_bytes_within_its_error(engine, device, monkeypatch, fp8, conv):
+    monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", fp8)
+    torch.manual_seed(8)
+    layer = (torch.nn.Conv2d(8, 16, 3) if conv else torch.nn.Linear(96, 32)).to(torch.bfloat16).to(device)
+    layer.requires_grad_(False)
+    original = layer.weight.detach().clone()
+    x = torch.randn((2, 8, 7, 7) if conv else (6, 96), dtype=torch.bfloat16, device=device)
+    w_streamed = _compressed_reference(original, getattr(torch, fp8))
+    math = (lambda w: F.conv2d(x, w, layer.bias)) if conv else (lambda w: F.linear(x, w, layer.bias))
+    expected, exact = math(w_streamed), math(original)
+
+    cls = mm.ConvLayerMemoryManager if conv else mm.LinearLayerMemoryManager
+    cls.attach(layer, Manager(device))
+    lmm = layer._layer_memory_manager
+    assert lmm.stored_as == {"float8_e4m3fn": "Float8_e4m3fn", "float8_e5m2": "Float8_e5m2"}[fp8]
+    out_ch = original.shape[0]
+    assert lmm.packed_bytes == _align(_align(original.numel()) + out_ch * 4) + out_ch * 2
+    with torch.no_grad():
+        out = layer(x)
+    assert torch.equal(out, expected)
+    # The stated accuracy cost (docs/ai-toolkit.md): relative error of the output against bf16 weights.
+    rel = ((out.float() - exact.float()).norm() / exact.float().norm()).item()
+    assert rel < (0.04 if fp8 == "float8_e4m3fn" else 0.08), rel
+    # The Parameter keeps its exact values (state_dict, saving, a later unfreeze see bf16).
+    assert torch.equal(layer.weight.detach().cpu(), original.cpu())
+
+
+def test_host_compression_applies_once_a_weight_is_frozen_and_undoes_on_training(engine, device, monkeypatch):
+    monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "float8_e4m3fn")
+    torch.manual_seed(9)
+    layer = torch.nn.Linear(32, 16).to(torch.bfloat16)
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    lmm = layer._layer_memory_manager
+    x = torch.randn(3, 32, dtype=torch.bfloat16, device=device)
+    assert lmm.stored_as == "BFloat16"  # trainable at attach: stored as it is
+    layer.requires_grad_(False)
+    with torch.no_grad():
+        layer(x)
+    assert lmm.stored_as == "Float8_e4m3fn"
+    # Trained again: stored as it is from the next use on, so its gradient and update are exact.
+    layer.requires_grad_(True)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    out = layer(x)
+    assert lmm.stored_as == "BFloat16"
+    out.float().sum().backward()
+    mm.sync_grad_transfers()
+    assert layer.weight.grad is not None
+    opt.step()
+    after = layer.weight.detach().clone()
+    with torch.no_grad():
+        assert torch.equal(layer(x), F.linear(x, after.to(device), layer.bias.detach().to(device)))
+
+
+def test_an_unknown_host_dtype_is_a_value_error_naming_the_choices(engine, device, monkeypatch):
+    monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "int4")
+    layer = torch.nn.Linear(8, 8).requires_grad_(False)
+    with pytest.raises(ValueError, match="LAYERSTREAM_HOST_DTYPE=int4.*float8_e4m3fn or float8_e5m2"):
+        mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    monkeypatch.delenv("LAYERSTREAM_HOST_DTYPE")
+    mm.LinearLayerMemoryManager.attach(torch.nn.Linear(8, 8), Manager(device))  # the process goes on
