@@ -3,12 +3,20 @@
 # on the CUDA backend (plain and under compute-sanitizer), builds and installs the Python package, runs the
 # pytest suite and the demo on the device. Logs: $OUT/summary.txt and $OUT/all.log (default OUT:
 # build/gpu-logs).
-# Usage: OUT=/some/dir benchmarks/gpu_check.sh [all|tests|core|py|bench]   (one lent-machine call has 10
-# minutes: run `tests` (= core + py) and `bench` as separate calls there, or `core`, `py`, `bench`)
+# Usage: OUT=/some/dir benchmarks/gpu_check.sh [all|tests|core|py|san|quant|bench][,...]
+#   core   core tests (sim + cuda) plain and under memcheck, racecheck, synccheck
+#   py     the pytest suite on the device (two shards side by side) and the racecheck control
+#   san    the pytest equality suite under memcheck, synccheck and racecheck (side by side)
+#   quant  the dequantization kernel: its core test (plain and memcheck) and its bandwidth
+#   bench  reliability figures, per-call overhead, the FLUX.1-shaped side by side (see below)
+#   perf   FLUX.1-shaped: resident vs streamed bf16, streamed with float8 host storage, and stock vs
+#          layerstream under a 24 GiB cap with that cap as layerstream's VRAM budget
+# One lent-machine call has 10 minutes: `core`, `py,quant`, `san` and `bench` each fit one call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-build/gpu-logs}"
 WHAT="${1:-all}"
+want() { [[ $WHAT == all || ",$WHAT," == *",$1,"* ]]; }
 mkdir -p "$OUT"
 status=0
 # Every step's output goes to $OUT/all.log under a header (few files come back from a lent machine);
@@ -54,7 +62,7 @@ if compgen -G ".aitk/*/" >/dev/null; then
 fi
 export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90"
 
-if [[ $WHAT == all || $WHAT == tests || $WHAT == core ]]; then
+if want core || want tests; then
 step "build core tests (sm_90)"
 run configure cmake -S . -B build/gpu -G Ninja -DLAYERSTREAM_BUILD_TESTS=ON -DLAYERSTREAM_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=RelWithDebInfo "${GTEST_ARGS[@]}"
@@ -72,46 +80,92 @@ run synccheck compute-sanitizer --tool synccheck --error-exitcode 1 \
   build/gpu/tests/cpp/layerstream_core_tests --gtest_filter='*/cuda:-*Oversized*'
 fi
 
-if [[ $WHAT == all || $WHAT == tests || $WHAT == py ]]; then
-step "python package"
-run pip_install python3 -m pip install --no-build-isolation --no-deps -v .
-# The equality suite on the GPU under the three sanitizers (cuda cases only), each in its own process, all
-# three started in the background beside the plain pytest run so that the stage fits in one lent-machine
-# call; each is capped, and a capped run says so in the summary (FAIL with "timeout" in its tail).
-# racecheck (shared-memory hazards inside kernels) is the slowest: it gets the linear and conv equality
-# cases of one dtype; memcheck and synccheck get the whole equality suite.
-san() {  # san TOOL K-EXPRESSION
-  local tool=$1 k=$2
-  ( cd /tmp && LAYERSTREAM_TEST_DEADLINE_S=0 timeout "${LAYERSTREAM_SANITIZER_S:-480}" compute-sanitizer \
-      --tool "$tool" --error-exitcode 1 --target-processes all python3 -m pytest -q -x -p no:cacheprovider \
-      -k "$k" "$OLDPWD/tests/python/test_manager_contract.py" ) >"$OUT/pytest_$tool.log" 2>&1
-  echo $? >"$OUT/pytest_$tool.rc"
-}
-EQUALITY="cuda and (bitwise or accumulate)"
-san memcheck "$EQUALITY" &
-san synccheck "$EQUALITY" &
-san racecheck "cuda and bitwise and dtype1" &
-# The install/uninstall round trips are file handling with no device code (CI runs them); skipped here to
-# leave the call's time to the device tests.
-run pytest bash -c 'cd /tmp && python3 -X faulthandler -m pytest -q -rs --durations=12 -p no:cacheprovider \
-  -k "not install_then_uninstall" '"$PWD"'/tests/python'
-wait
-for tool in memcheck synccheck racecheck; do
-  rc=$(cat "$OUT/pytest_$tool.rc" 2>/dev/null || echo missing)
-  if [[ $rc == 0 ]]; then echo "   ok   pytest_$tool: $(grep -E 'passed|failed' "$OUT/pytest_$tool.log" | tail -1)" | tee -a "$OUT/summary.txt"
-  else
-    [[ $rc == 124 ]] && rc="124 (timeout after ${LAYERSTREAM_SANITIZER_S:-480} s)"
-    echo "   FAIL pytest_$tool rc=$rc" | tee -a "$OUT/summary.txt"
-    tail -n 25 "$OUT/pytest_$tool.log" | sed 's/^/      /' >>"$OUT/summary.txt"; status=1
-  fi
-done
-
-run demo_cuda layerstream demo --backend cuda
-run demo_cuda_large layerstream demo --backend cuda --hidden 3072 --blocks 4 --steps 3 --no-verify
+installed() { python3 -c 'import layerstream.manager_modules' 2>/dev/null; }
+if want py || want tests || want san || want quant; then
+  step "python package"
+  run pip_install python3 -m pip install --no-build-isolation --no-deps -v .
 fi
 
-if [[ ($WHAT == all || $WHAT == bench) && -n "${AI_TOOLKIT_DIR:-}" ]]; then
-  python3 -c 'import layerstream.manager_modules' 2>/dev/null || run pip_install python3 -m pip install --no-build-isolation --no-deps .
+if want quant; then
+  # The core's kernel test, built beside the pytest shards below (it needs only the compiler).
+  ( cmake -S . -B build/gpu -G Ninja -DLAYERSTREAM_BUILD_TESTS=ON -DLAYERSTREAM_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=RelWithDebInfo "${GTEST_ARGS[@]}" \
+    && cmake --build build/gpu ) >"$OUT/quant_build.log" 2>&1 &
+  QUANT_BUILD=$!
+fi
+
+if want py || want tests; then
+  step "pytest on the device (two shards side by side)"
+  # The install/uninstall round trips are file handling with no device code (CI runs them); skipped here to
+  # leave the call's time to the device tests.
+  shard() {  # shard NAME FILES...
+    local name=$1; shift
+    ( cd /tmp && python3 -X faulthandler -m pytest -q -rs --durations=8 -p no:cacheprovider \
+        -k "not install_then_uninstall" "$@" ) >"$OUT/pytest_$name.log" 2>&1
+    echo $? >"$OUT/pytest_$name.rc"
+  }
+  T="$PWD/tests/python"
+  shard a "$T/test_reliability.py" "$T/test_install_cli.py" "$T/test_aitk_real.py" &
+  SHARD_A=$!
+  shard b "$T" --ignore="$T/test_reliability.py" --ignore="$T/test_install_cli.py" --ignore="$T/test_aitk_real.py" &
+  SHARD_B=$!
+  wait "$SHARD_A" "$SHARD_B"
+  for name in a b; do
+    if [[ $(cat "$OUT/pytest_$name.rc" 2>/dev/null) == 0 ]]; then
+      echo "   ok   pytest_$name: $(tail -n 1 "$OUT/pytest_$name.log")" | tee -a "$OUT/summary.txt"
+    else
+      echo "   FAIL pytest_$name rc=$(cat "$OUT/pytest_$name.rc" 2>/dev/null)" | tee -a "$OUT/summary.txt"
+      grep -E "^(FAILED|ERROR)|Timeout" "$OUT/pytest_$name.log" | head -n 20 | sed 's/^/      /' >>"$OUT/summary.txt"
+      tail -n 5 "$OUT/pytest_$name.log" | sed 's/^/      /' >>"$OUT/summary.txt"; status=1
+    fi
+  done
+  # racecheck reports inside cuDNN's kernels come back without layerstream too: see racecheck_control.py.
+  run racecheck_control compute-sanitizer --tool racecheck python3 benchmarks/racecheck_control.py
+  grep -E "RACECHECK SUMMARY|hazard" "$OUT/all.log" | tail -n 3 | sed 's/^/      /' >>"$OUT/summary.txt"
+  run demo_cuda layerstream demo --backend cuda
+fi
+
+if want san; then
+  # The equality suite on the GPU under the three sanitizers (cuda cases only), each in its own process,
+  # side by side, each capped; a capped run says so in the summary. racecheck (shared-memory hazards inside
+  # kernels) is the slowest: it gets the linear and conv equality cases of one dtype.
+  san() {  # san TOOL K-EXPRESSION
+    local tool=$1 k=$2
+    ( cd /tmp && LAYERSTREAM_TEST_DEADLINE_S=0 timeout "${LAYERSTREAM_SANITIZER_S:-480}" compute-sanitizer \
+        --tool "$tool" --error-exitcode 1 --target-processes all python3 -m pytest -q -x -p no:cacheprovider \
+        -k "$k" "$OLDPWD/tests/python/test_manager_contract.py" "$OLDPWD/tests/python/test_quantized.py" ) \
+      >"$OUT/pytest_$tool.log" 2>&1
+    echo $? >"$OUT/pytest_$tool.rc"
+  }
+  EQUALITY="cuda and (bitwise or accumulate)"
+  san memcheck "$EQUALITY" &
+  san synccheck "$EQUALITY" &
+  san racecheck "cuda and bitwise and dtype1" &
+  wait
+  for tool in memcheck synccheck racecheck; do
+    rc=$(cat "$OUT/pytest_$tool.rc" 2>/dev/null || echo missing)
+    if [[ $rc == 0 ]]; then echo "   ok   pytest_$tool: $(grep -E 'passed|failed' "$OUT/pytest_$tool.log" | tail -1)" | tee -a "$OUT/summary.txt"
+    else
+      [[ $rc == 124 ]] && rc="124 (timeout after ${LAYERSTREAM_SANITIZER_S:-480} s)"
+      echo "   FAIL pytest_$tool rc=$rc" | tee -a "$OUT/summary.txt"
+      tail -n 25 "$OUT/pytest_$tool.log" | sed 's/^/      /' >>"$OUT/summary.txt"; status=1
+    fi
+  done
+fi
+
+if want quant; then
+  step "dequantization kernel"
+  if wait "$QUANT_BUILD"; then echo "   ok   quant_build" | tee -a "$OUT/summary.txt"
+  else echo "   FAIL quant_build" | tee -a "$OUT/summary.txt"; tail -n 30 "$OUT/quant_build.log" >>"$OUT/summary.txt"; status=1; fi
+  run dequant_core build/gpu/tests/cpp/layerstream_core_tests --gtest_filter='Dequant*'
+  run dequant_memcheck compute-sanitizer --tool memcheck --error-exitcode 1 \
+    build/gpu/tests/cpp/layerstream_core_tests --gtest_filter='*DequantCuda*'
+  run dequant_bench python3 benchmarks/dequant_bench.py --peak-gbs 4800 --json-out "$OUT/dequant_bench.json"
+  grep -A 14 "^kind" "$OUT/all.log" | tail -n 13 | sed 's/^/      /' >>"$OUT/summary.txt"
+fi
+
+if want bench && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
+  installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
   step "reliability figures (cycles, long run)"
   run reliability python3 benchmarks/reliability.py --json-out "$OUT/reliability.json"
   step "per-call host overhead"
@@ -126,6 +180,21 @@ if [[ ($WHAT == all || $WHAT == bench) && -n "${AI_TOOLKIT_DIR:-}" ]]; then
       --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --mode all --vram-cap-gb "$LAYERSTREAM_BENCH_CAP_GB" \
       --aitk-dir "${AI_TOOLKIT_DIR%%:*}" --md-out "$OUT/flux_bench_cap.md" --json-out "$OUT/flux_bench_cap.json"
   fi
+fi
+
+if want perf && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
+  installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
+  AITK="${AI_TOOLKIT_DIR%%:*}"
+  step "FLUX.1-shaped, 100% streamed: all-resident and layerstream bf16"
+  run perf_bf16 python3 benchmarks/flux_bench.py --preset flux1 --mode resident,layerstream --aitk-dir "$AITK" \
+    --md-out "$OUT/perf_bf16.md" --json-out "$OUT/perf_bf16.json"
+  step "the same, layerstream with float8 host storage (LAYERSTREAM_HOST_DTYPE=float8_e4m3fn)"
+  run perf_fp8 python3 benchmarks/flux_bench.py --preset flux1 --mode layerstream --host-dtype float8_e4m3fn \
+    --aitk-dir "$AITK" --md-out "$OUT/perf_fp8.md" --json-out "$OUT/perf_fp8.json"
+  step "under a 24 GiB cap: stock (100% offloaded) and layerstream with LAYERSTREAM_VRAM_BUDGET=24GiB"
+  run perf_cap env LAYERSTREAM_VRAM_BUDGET=24GiB python3 benchmarks/flux_bench.py --preset flux1 \
+    --mode stock,layerstream --vram-cap-gb 24 --aitk-dir "$AITK" --md-out "$OUT/perf_cap.md" --json-out "$OUT/perf_cap.json"
+  for f in perf_bf16 perf_fp8 perf_cap; do grep -E "^\| (resident|stock|layerstream)" "$OUT/$f.md" 2>/dev/null | sed "s/^/      $f /" >>"$OUT/summary.txt"; done
 fi
 
 cat "$OUT/summary.txt"

@@ -371,6 +371,8 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
     build_s = time.perf_counter() - t0
     print(f"[{mode}] built {weight_bytes / GiB:.2f} GiB of bf16 weights in {build_s:.1f} s", flush=True)
 
+    if mode == "layerstream" and args.host_dtype:
+        os.environ["LAYERSTREAM_HOST_DTYPE"] = args.host_dtype  # read when the layers are packed
     t0 = time.perf_counter()
     if package is None:
         model.to(device)
@@ -498,6 +500,7 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
         "torch": torch.__version__,
         "preset": args.preset, "config": asdict(cfg), "checkpointing": args.checkpointing, "rank": args.rank,
         "lora_init_nonzero": args.lora_init_nonzero, "offload_percent": args.offload_percent,
+        "host_dtype": args.host_dtype,
         "vram_cap_gb": args.vram_cap_gb, "warmup": args.warmup, "steps": args.steps, "seed": args.seed,
         "h2d_bytes_per_s": h2d_bytes_per_s, "t_compute_s": t_compute,
     }
@@ -520,7 +523,8 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
             f"# flux_bench: {args.preset}, mode {args.mode}\n\n"
             f"- command: `{meta['command']}`\n- date: {meta['date']}\n- GPU: {meta['gpu'] or 'none (CPU)'}\n"
             f"- torch: {meta['torch']}\n- config: {meta['config']}, checkpointing {args.checkpointing}, LoRA rank "
-            f"{args.rank}, offload_percent {args.offload_percent}, VRAM cap {args.vram_cap_gb or 'none'} GiB\n\n"
+            f"{args.rank}, offload_percent {args.offload_percent}, VRAM cap {args.vram_cap_gb or 'none'} GiB"
+            f"{f', layerstream host dtype {args.host_dtype}' if args.host_dtype else ''}\n\n"
             f"{table}\n\n{summary}\n\nlosses per step (warmup included):\n\n{losses}\n"
         )
 
@@ -538,12 +542,12 @@ def _strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
     return out
 
 
-def run_all(argv: list[str]) -> list[dict]:
+def run_all(argv: list[str], modes: list[str]) -> list[dict]:
     """Every mode in its own process: peak VRAM and RSS are per-process high-water marks."""
     child_argv = _strip_options(argv, ("--mode", "--json-out", "--md-out"))
     rows = []
     with tempfile.TemporaryDirectory(prefix="flux_bench_") as tmp:
-        for mode in MODES:
+        for mode in modes:
             out = Path(tmp) / f"{mode}.json"
             cmd = [sys.executable, "-m", "layerstream.bench", *child_argv, "--mode", mode, "--json-out", str(out),
                    "--child"]
@@ -563,11 +567,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="flux1")
-    parser.add_argument("--mode", choices=(*MODES, "all"), default="all")
+    parser.add_argument("--mode", default="all",
+                        help=f"one of {', '.join(MODES)}, a comma-separated list of them, or all")
     parser.add_argument("--aitk-dir", help="AI-Toolkit checkout (default: $AI_TOOLKIT_DIR)")
     parser.add_argument("--offload-percent", type=float, default=1.0,
                         help="AI-Toolkit's offload_percent: the fraction of linears the manager takes over")
     parser.add_argument("--vram-cap-gb", type=float, help="cap this process's VRAM at this many GiB")
+    parser.add_argument("--host-dtype", choices=("float8_e4m3fn", "float8_e5m2"),
+                        help="layerstream mode only: LAYERSTREAM_HOST_DTYPE, frozen weights kept and streamed as "
+                             "8-bit codes with a scale per output channel (the other modes stream bf16)")
     parser.add_argument("--rank", type=int, default=128, help="LoRA rank (alpha = rank)")
     parser.add_argument("--lora-init-nonzero", action="store_true",
                         help="start lora_up at N(0, 1e-3) instead of zero, so lora_down gets gradients too")
@@ -581,6 +589,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     # Set by `--mode all` for its children: the parent measures the bandwidth and the floor once for all.
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.modes = list(MODES) if args.mode == "all" else args.mode.split(",")
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        parser.error(f"--mode: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)} or all")
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     return args
@@ -590,12 +602,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
-    if args.mode == "all":
-        rows = run_all(argv)
+    if len(args.modes) > 1:
+        rows = run_all(argv, args.modes)
     else:
         device = torch.device("cuda") if cuda else torch.device("cpu")
         torch.manual_seed(args.seed)
-        rows = [run_mode(args, args.mode, device)]
+        rows = [run_mode(args, args.modes[0], device)]
         gc.collect()  # the LoRA wrappers and the layers reference each other: free the model before measuring
         if cuda:
             torch.cuda.empty_cache()

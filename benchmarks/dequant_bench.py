@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""The fused dequantization kernel against torch operations computing the same formula, on FLUX.1 layer
+shapes: time per call, achieved HBM bandwidth (codes read + scales read + output written) and, where the
+peak is known, its share of it. Also checks that both give the same bits.
+
+    python benchmarks/dequant_bench.py [--json-out FILE] [--peak-gbs 4800]
+
+On a machine without a GPU it runs the host reference on small shapes (a smoke run, no timing claims).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from layerstream import manager_modules as mm
+
+# (rows, cols): FLUX.1 double-block MLP up and down, the fused qkv, a single-block linear1.
+SHAPES = [(12288, 3072), (3072, 12288), (9216, 3072), (21504, 3072)]
+# (codes dtype, scale dtype, math): optimum-quanto qfloat8 (bf16 scale and math), torchao float8 (float32),
+# quanto qint8, layerstream's host compression (float32 scale and math).
+KINDS = [
+    ("float8_e4m3fn", torch.bfloat16, "bfloat16", "quanto qfloat8"),
+    ("float8_e4m3fn", torch.float32, "float32", "torchao float8 / LAYERSTREAM_HOST_DTYPE"),
+    ("int8", torch.bfloat16, "bfloat16", "quanto qint8"),
+]
+
+
+def _time(fn, device, repeats: int) -> float:
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / repeats
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json-out")
+    parser.add_argument("--peak-gbs", type=float, default=None,
+                        help="HBM peak in GB/s for the percentage (H200: 4800); default: none shown")
+    parser.add_argument("--repeats", type=int, default=50)
+    args = parser.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    shapes = SHAPES if cuda else [(96, 64), (64, 96)]
+    repeats = args.repeats if cuda else 2
+    rows = []
+    print(f"{'kind':42} {'shape':>13} {'kernel us':>10} {'GB/s':>8} {'% peak':>7} {'torch us':>10} {'GB/s':>8}  same bits")
+    for codes_dtype, scale_dtype, math, label in KINDS:
+        for r, c in shapes:
+            gen = torch.Generator(device="cpu").manual_seed(r * 31 + c)
+            raw = torch.randint(0, 256, (r, c), generator=gen, dtype=torch.uint8)
+            if codes_dtype == "float8_e4m3fn":
+                raw[(raw & 0x7F) == 0x7F] = 0  # no NaN codes: the comparison below is then exact
+            codes = raw.view(getattr(torch, codes_dtype)).to(device)
+            scale = (torch.rand(r, 1, generator=gen) * 0.01 + 1e-4).to(scale_dtype).to(device)
+            kernel = lambda: mm._dequantize(codes, scale, "bfloat16", math)  # noqa: E731
+            ops = lambda: mm._dequantize(codes, scale, "bfloat16", math, use_core=False)  # noqa: E731
+            same = torch.equal(kernel(), ops())
+            moved = codes.numel() + scale.numel() * scale.element_size() + codes.numel() * 2
+            t_k, t_o = _time(kernel, device, repeats), _time(ops, device, repeats)
+            gbs_k, gbs_o = moved / t_k / 1e9, moved / t_o / 1e9
+            share = gbs_k / args.peak_gbs * 100 if args.peak_gbs else None
+            rows.append({"kind": label, "codes": codes_dtype, "scale": str(scale_dtype), "math": math,
+                         "shape": [r, c], "device": str(device), "kernel_s": t_k, "kernel_gbs": gbs_k,
+                         "kernel_share_of_peak": share, "torch_ops_s": t_o, "torch_ops_gbs": gbs_o,
+                         "same_bits": same})
+            print(f"{label:42} {r:>6}x{c:<6} {t_k * 1e6:>10.1f} {gbs_k:>8.0f} "
+                  f"{'-' if share is None else f'{share:.0f}':>7} {t_o * 1e6:>10.1f} {gbs_o:>8.0f}  {same}", flush=True)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                       "rows": rows}, f, indent=1)
+    return 0 if all(r["same_bits"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
