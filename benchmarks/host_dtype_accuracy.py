@@ -47,13 +47,13 @@ def train(preset: str, steps: int, rank: int, seed: int) -> dict:
     for m in linears:
         mm.LinearLayerMemoryManager.attach(m, _Manager(device))
     model.to(device)
-    network = bench.apply_lora(model, rank, nonzero_up=True, device=device, seed=seed + 1)
     errors = []
     with torch.no_grad():
         for x, m, e in zip(probes, linears, exact):
             y = m(x.to(device)).cpu().float()
             errors.append(((y - e.float()).norm() / e.float().norm()).item())
     stored = sorted({m._layer_memory_manager.stored_as for m in linears})
+    network = bench.apply_lora(model, rank, nonzero_up=True, device=device, seed=seed + 1)
     inputs = torch.Generator().manual_seed(seed)
     img, txt, vec = (torch.randn(shape, generator=inputs, dtype=bench.DTYPE).to(device)
                      for shape in ((1, cfg.img_tokens, cfg.hidden), (1, cfg.txt_tokens, cfg.hidden), (1, cfg.hidden)))
