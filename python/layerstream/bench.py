@@ -296,12 +296,26 @@ def managed_tensors(model: nn.Module) -> list[torch.Tensor]:
     for module in model.modules():
         if not hasattr(module, "_layer_memory_manager"):
             continue
-        # _parameters directly: what the layer holds, whatever properties a subclass puts on top.
-        for tensor in module._parameters.values():
-            if tensor is not None and tensor.untyped_storage().data_ptr() not in seen:
-                seen.add(tensor.untyped_storage().data_ptr())
-                tensors.append(tensor)
+        # _parameters directly: what the layer holds, whatever properties a subclass puts on top. A quantized
+        # weight (optimum-quanto) counts as its inner codes and scale: what is stored, pinned and moved.
+        for param in module._parameters.values():
+            if param is None:
+                continue
+            inner = [param._data, param._scale] if hasattr(param, "_data") and hasattr(param, "_scale") else [param]
+            for tensor in inner:
+                if tensor.untyped_storage().data_ptr() not in seen:
+                    seen.add(tensor.untyped_storage().data_ptr())
+                    tensors.append(tensor)
     return tensors
+
+
+def quantize_model(model: nn.Module, qtype: str) -> None:
+    """optimum-quanto weights (AI-Toolkit's `quantize: true` default is qfloat8) on every linear, frozen."""
+    import optimum.quanto as quanto
+
+    quanto.quantize(model, weights=getattr(quanto, qtype))
+    quanto.freeze(model)
+    model.requires_grad_(False)
 
 
 def stock_pinned_bytes(tensors: list[torch.Tensor]) -> tuple[int, int]:
@@ -368,8 +382,11 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
 
     t0 = time.perf_counter()
     model = build_model(cfg, args.checkpointing, seed=args.seed + 2)
+    if args.quantize:
+        quantize_model(model, args.quantize)
     build_s = time.perf_counter() - t0
-    print(f"[{mode}] built {weight_bytes / GiB:.2f} GiB of bf16 weights in {build_s:.1f} s", flush=True)
+    print(f"[{mode}] built {weight_bytes / GiB:.2f} GiB of bf16 weights"
+          f"{f', quantized to {args.quantize}' if args.quantize else ''} in {build_s:.1f} s", flush=True)
 
     if mode == "layerstream" and args.host_dtype:
         os.environ["LAYERSTREAM_HOST_DTYPE"] = args.host_dtype  # read when the layers are packed
@@ -500,7 +517,7 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
         "torch": torch.__version__,
         "preset": args.preset, "config": asdict(cfg), "checkpointing": args.checkpointing, "rank": args.rank,
         "lora_init_nonzero": args.lora_init_nonzero, "offload_percent": args.offload_percent,
-        "host_dtype": args.host_dtype,
+        "host_dtype": args.host_dtype, "quantize": args.quantize,
         "vram_cap_gb": args.vram_cap_gb, "warmup": args.warmup, "steps": args.steps, "seed": args.seed,
         "h2d_bytes_per_s": h2d_bytes_per_s, "t_compute_s": t_compute,
     }
@@ -524,7 +541,8 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
             f"- command: `{meta['command']}`\n- date: {meta['date']}\n- GPU: {meta['gpu'] or 'none (CPU)'}\n"
             f"- torch: {meta['torch']}\n- config: {meta['config']}, checkpointing {args.checkpointing}, LoRA rank "
             f"{args.rank}, offload_percent {args.offload_percent}, VRAM cap {args.vram_cap_gb or 'none'} GiB"
-            f"{f', layerstream host dtype {args.host_dtype}' if args.host_dtype else ''}\n\n"
+            f"{f', layerstream host dtype {args.host_dtype}' if args.host_dtype else ''}"
+            f"{f', weights quantized to {args.quantize} (optimum-quanto)' if args.quantize else ''}\n\n"
             f"{table}\n\n{summary}\n\nlosses per step (warmup included):\n\n{losses}\n"
         )
 
@@ -573,6 +591,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--offload-percent", type=float, default=1.0,
                         help="AI-Toolkit's offload_percent: the fraction of linears the manager takes over")
     parser.add_argument("--vram-cap-gb", type=float, help="cap this process's VRAM at this many GiB")
+    parser.add_argument("--quantize", choices=("qfloat8", "qint8"),
+                        help="quantize every linear with optimum-quanto (weights only, frozen) in every mode")
     parser.add_argument("--host-dtype", choices=("float8_e4m3fn", "float8_e5m2"),
                         help="layerstream mode only: LAYERSTREAM_HOST_DTYPE, frozen weights kept and streamed as "
                              "8-bit codes with a scale per output channel (the other modes stream bf16)")
