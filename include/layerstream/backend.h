@@ -66,7 +66,8 @@ class Backend {
   virtual void* host_alloc_pinned(std::size_t bytes) = 0;
   virtual void host_free_pinned(void* ptr) noexcept = 0;
   // Pins memory the caller already owns (cudaHostRegister). Returns false when refused.
-  virtual bool host_register(void* ptr, std::size_t bytes) = 0;
+  // `read_only`: the range is mapped read-only (shared weights); the device only reads it.
+  virtual bool host_register(void* ptr, std::size_t bytes, bool read_only = false) = 0;
   virtual void host_unregister(void* ptr) noexcept = 0;
 
   // Device memory. Returns nullptr when the device is out of memory.

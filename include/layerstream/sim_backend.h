@@ -71,7 +71,7 @@ class SimBackend final : public Backend {
 
   void* host_alloc_pinned(std::size_t bytes) override;
   void host_free_pinned(void* ptr) noexcept override;
-  bool host_register(void* ptr, std::size_t bytes) override;
+  bool host_register(void* ptr, std::size_t bytes, bool read_only = false) override;
   void host_unregister(void* ptr) noexcept override;
 
   void* device_alloc(std::size_t bytes) override;

@@ -138,9 +138,10 @@ class CudaBackend final : public Backend {
   void host_free_pinned(void* ptr) noexcept override {
     if (ptr != nullptr) warn_on_error(cudaFreeHost(ptr), "cudaFreeHost");
   }
-  bool host_register(void* ptr, std::size_t bytes) override {
+  bool host_register(void* ptr, std::size_t bytes, bool read_only) override {
     DeviceGuard guard(device_);
-    const cudaError_t status = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable);
+    const unsigned flags = cudaHostRegisterPortable | (read_only ? cudaHostRegisterReadOnly : 0u);
+    const cudaError_t status = cudaHostRegister(ptr, bytes, flags);
     if (status != cudaSuccess) {
       (void)cudaGetLastError();
       log(LogLevel::kDebug, detail::concat("cudaHostRegister(", bytes, ") refused: ",

@@ -336,7 +336,7 @@ void SimBackend::host_free_pinned(void* ptr) noexcept {
   aligned_free(ptr);
 }
 
-bool SimBackend::host_register(void* ptr, std::size_t bytes) {
+bool SimBackend::host_register(void* ptr, std::size_t bytes, bool /*read_only*/) {
   LS_CHECK_ARG(ptr != nullptr && bytes > 0, "host_register: empty range");
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->pinned_bytes + bytes > impl_->options.pinned_capacity_bytes) return false;

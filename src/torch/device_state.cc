@@ -1,4 +1,5 @@
 #include "device_state.h"
+#include "host_share.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -79,7 +80,18 @@ void DeviceState::set_memory_resolver(MemoryResolver resolver) { memory_resolver
 HostBlockRef::HostBlockRef(std::shared_ptr<HostPool> pool, std::size_t bytes)
     : pool_(std::move(pool)), block_(pool_->arena->allocate(bytes)) {}
 
+HostBlockRef::HostBlockRef(std::shared_ptr<HostPool> pool, std::unique_ptr<SharedHostSegment> segment)
+    : pool_(std::move(pool)), segment_(std::move(segment)) {
+  block_ = HostBlock{segment_->data(), segment_->bytes(), segment_->pinned()};
+  HostShare::note_block(static_cast<std::int64_t>(block_.bytes), +1);
+}
+
 HostBlockRef::~HostBlockRef() {
+  if (segment_) {
+    HostShare::note_block(static_cast<std::int64_t>(block_.bytes), -1);
+    segment_.reset();
+    return;
+  }
   try {
     pool_->arena->free(block_.data);
   } catch (const std::exception& e) {

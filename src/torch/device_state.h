@@ -30,6 +30,7 @@
 #include "layerstream/access_predictor.h"
 #include "layerstream/backend.h"
 #include "layerstream/pinned_arena.h"
+#include "layerstream/shared_host.h"
 #include "layerstream/transfer_engine.h"
 
 namespace layerstream::torchglue {
@@ -42,18 +43,22 @@ struct HostPool {
   std::unique_ptr<PinnedArena> arena;
 };
 
-// One arena block; frees itself when the last tensor (or layer) holding it goes.
+// One block of host memory for a layer: from the arena, or a segment shared with the other ranks of
+// the host (host_share.h). Frees itself when the last tensor (or layer) holding it goes.
 class HostBlockRef {
  public:
   HostBlockRef(std::shared_ptr<HostPool> pool, std::size_t bytes);
+  HostBlockRef(std::shared_ptr<HostPool> pool, std::unique_ptr<SharedHostSegment> segment);
   ~HostBlockRef();
   HostBlockRef(const HostBlockRef&) = delete;
   HostBlockRef& operator=(const HostBlockRef&) = delete;
   const HostBlock& block() const { return block_; }
   char* data() const { return static_cast<char*>(block_.data); }
+  SharedHostSegment* segment() const { return segment_.get(); }
 
  private:
   std::shared_ptr<HostPool> pool_;
+  std::unique_ptr<SharedHostSegment> segment_;  // destroyed before pool_ (it uses its backend)
   HostBlock block_;
 };
 

@@ -12,11 +12,13 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <cstdio>
+#include <cctype>
 #include <cstdlib>
 #include <optional>
 #include <string>
 
 #include "device_state.h"
+#include "host_share.h"
 #include "layerstream/check.h"
 #include "layerstream/log.h"
 #include "streamed_layer.h"
@@ -301,7 +303,8 @@ void pack_quantized(const py::object& module, LayerManager& core) {
   std::optional<QuantSource> q = quant_source_of(w);
   LS_CHECK(q.has_value(), "the quantized weight of this layer changed to a kind layerstream does not stream natively");
   const at::Tensor bias = tensor_or_undefined(py::getattr(module, "bias", py::none()));
-  auto views = core.layer->pack_quantized(q->codes, q->scale, q->math, q->result, bias);
+  const bool frozen = !w.cast<at::Tensor>().requires_grad();
+  auto views = core.layer->pack_quantized(q->codes, q->scale, q->math, q->result, bias, frozen);
   py::setattr(w, q->codes_attr.c_str(), py::cast(views[0]));
   py::setattr(w, q->scale_attr.c_str(), py::cast(views[1]));
   core.quant_weight = w;
@@ -510,7 +513,66 @@ py::dict stats() {
   }
   total["device_states"] = devices.size();
   total["devices"] = devices;
+  // Host memory this process holds through the copy the host's ranks share (in no arena's counts).
+  total["host_shared_bytes"] = HostShare::bytes_live();
+  total["host_shared_blocks"] = HostShare::blocks_live();
   return total;
+}
+
+// LAYERSTREAM_SHARE_HOST (host_share.h): one host copy for the ranks of a host.
+std::optional<ShareConfig> resolve_share() {
+  const char* setting = std::getenv("LAYERSTREAM_SHARE_HOST");
+  const std::string mode = setting != nullptr && *setting != '\0' ? setting : "auto";
+  if (mode == "0" || mode == "off") return std::nullopt;
+  LS_CHECK_ARG(mode == "auto" || mode == "1" || mode == "on", "LAYERSTREAM_SHARE_HOST=", mode,
+               " is not a setting layerstream knows: auto (the default), 1 or 0");
+  const char* world = std::getenv("LOCAL_WORLD_SIZE");
+  const char* rank = std::getenv("LOCAL_RANK");
+  if (world == nullptr || rank == nullptr || std::atoi(world) <= 1) {
+    if (mode != "auto") {
+      log_once("share-no-ranks", LogLevel::kWarning,
+               "LAYERSTREAM_SHARE_HOST is on but LOCAL_RANK / LOCAL_WORLD_SIZE (set by torchrun and accelerate) "
+               "do not name several ranks on this host: nothing to share");
+    }
+    return std::nullopt;
+  }
+  ShareConfig config;
+  config.local_world = std::atoi(world);
+  config.local_rank = std::atoi(rank);
+  LS_CHECK_ARG(config.local_rank >= 0 && config.local_rank < config.local_world, "LOCAL_RANK=", rank,
+               " is not below LOCAL_WORLD_SIZE=", world);
+  if (const char* t = std::getenv("LAYERSTREAM_SHARE_TIMEOUT_S"); t != nullptr && *t != '\0') {
+    config.timeout_s = std::atof(t);
+    LS_CHECK_ARG(config.timeout_s > 0, "LAYERSTREAM_SHARE_TIMEOUT_S must be a positive number of seconds, not ", t);
+  }
+  if (const char* token = std::getenv("LAYERSTREAM_SHARE_TOKEN"); token != nullptr && *token != '\0') {
+    config.token = token;
+  } else {
+    // The ranks agree on a fresh name through torch.distributed (global rank 0 draws it): segments of an
+    // earlier or a concurrent job never collide with this one's.
+    py::gil_scoped_acquire gil;
+    py::module_ dist = py::module_::import("torch.distributed");
+    if (!dist.attr("is_available")().cast<bool>() || !dist.attr("is_initialized")().cast<bool>()) {
+      log_once("share-no-dist", LogLevel::kWarning,
+               "LOCAL_WORLD_SIZE > 1 but torch.distributed is not initialized (and LAYERSTREAM_SHARE_TOKEN is "
+               "unset): each rank keeps its own host copy of the weights; initialize the process group before "
+               "attaching to share one");
+      return std::nullopt;
+    }
+    py::list box;
+    if (dist.attr("get_rank")().cast<int>() == 0) {
+      box.append(py::module_::import("os").attr("urandom")(8).attr("hex")());
+    } else {
+      box.append(py::none());
+    }
+    dist.attr("broadcast_object_list")(box, py::arg("src") = 0);
+    config.token = box[0].cast<std::string>();
+  }
+  for (char c : config.token) {
+    LS_CHECK_ARG(std::isalnum(static_cast<unsigned char>(c)) || c == '_', "LAYERSTREAM_SHARE_TOKEN must be letters, "
+                 "digits and underscores, not '", config.token, "'");
+  }
+  return config;
 }
 
 // Core messages go to Python's `logging` (logger "layerstream"), from any thread; during interpreter
@@ -626,6 +688,7 @@ PYBIND11_MODULE(manager_modules, m) {
   class_of(Which::kOstris) = m.attr("OstrisLinearLayerMemoryManager");
 
   m.attr("_DEVICE_STATE") = device_state_dict();
+  HostShare::set_resolver(&resolve_share);
 #ifdef LAYERSTREAM_TORCH_CUDA
   DeviceState::set_memory_resolver(&cuda_memory_view);
 #endif

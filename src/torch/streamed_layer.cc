@@ -3,11 +3,14 @@
 #include <c10/util/strides.h>
 
 #include <cstdlib>
+#include <cstring>
+#include <functional>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 
 #include "layerstream/check.h"
 #include "layerstream/dequant.h"
+#include "host_share.h"
 #include "layerstream/log.h"
 
 #ifdef LAYERSTREAM_TORCH_CUDA
@@ -161,24 +164,61 @@ double float8_max(at::ScalarType t) { return t == at::kFloat8_e4m3fn ? 448.0 : 5
 }  // namespace
 
 std::shared_ptr<HostBlockRef> StreamedLayer::new_block(const std::vector<std::pair<Packed*, at::Tensor>>& parts,
-                                                       std::vector<at::Tensor>& views) {
+                                                       std::vector<at::Tensor>& views, bool shareable) {
   std::size_t total = 0;
   for (const auto& [p, src] : parts) {
     p->offset = align_up(total);
     total = p->offset + p->bytes;
   }
   LS_CHECK_ARG(total > 0, "a managed layer needs a non-empty weight");
-  auto block = std::make_shared<HostBlockRef>(state_->pool(), total);
+  auto view_at = [&](char* base, const Packed& p, std::function<void(void*)> deleter) {
+    return at::from_blob(base + p.offset, p.sizes, p.strides, std::move(deleter),
+                         at::TensorOptions().dtype(p.dtype).device(at::kCPU));
+  };
+  auto fill = [&](char* base) {
+    at::NoGradGuard no_grad;
+    for (const auto& [p, src] : parts) view_at(base, *p, [](void*) {}).copy_(src.detach());
+  };
+
+  std::shared_ptr<HostBlockRef> block;
+  HostShare* share = shareable ? HostShare::get() : nullptr;
+  std::unique_ptr<SharedHostSegment> segment = share ? share->next(state_->backend(), total) : nullptr;
+  if (segment && segment->data() != nullptr) {
+    // The leader fills the host's copy; the other ranks find it filled (they waited for it).
+    const bool leader = segment->leader();
+    if (leader) {
+      fill(static_cast<char*>(segment->data()));
+      segment->mark_ready();
+    }
+    block = std::make_shared<HostBlockRef>(state_->pool(), std::move(segment));
+    if (!leader) {
+      // The shared copy must be what this rank would have packed: a rank that loaded other weights
+      // would otherwise train on rank 0's without a word.
+      at::NoGradGuard no_grad;
+      for (const auto& [p, src] : parts) {
+        at::Tensor mine = at::empty_strided(p->sizes, p->strides, at::TensorOptions().dtype(p->dtype));
+        mine.copy_(src.detach());
+        LS_CHECK(std::memcmp(mine.data_ptr(), block->data() + p->offset, p->bytes) == 0,
+                 "this rank's weights differ from the host copy that local rank 0 packed (a tensor of shape ",
+                 at::IntArrayRef(p->sizes), "): every rank must load the same model; LAYERSTREAM_SHARE_HOST=0 "
+                 "gives each rank a copy of its own");
+      }
+    }
+  } else {
+    if (segment) {
+      log_once("share-refused", LogLevel::kWarning,
+               "the host refused shared memory for the weights (is /dev/shm large enough? docker: --shm-size); "
+               "each rank keeps a copy of its own");
+    }
+    block = std::make_shared<HostBlockRef>(state_->pool(), total);
+    fill(block->data());
+  }
   views.clear();
   for (const auto& [p, src] : parts) {
     // The view's storage owns a reference to the block: the host bytes live as long as any tensor (or
     // this layer) uses them.
     auto keep = block;
-    at::Tensor view = at::from_blob(block->data() + p->offset, p->sizes, p->strides, [keep](void*) {},
-                                    at::TensorOptions().dtype(p->dtype).device(at::kCPU));
-    at::NoGradGuard no_grad;
-    view.copy_(src.detach());
-    views.push_back(view);
+    views.push_back(view_at(block->data(), *p, [keep](void*) {}));
   }
   return block;
 }
@@ -257,7 +297,10 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
     parts.push_back({&b, bias});
   }
   std::vector<at::Tensor> views;
-  auto block = new_block(parts, views);
+  // Frozen blocks may be shared between the ranks of the host; a trainable one is written by its optimizer.
+  const bool shareable = !weight.requires_grad() && !(bias.defined() && bias.requires_grad());
+  auto block = new_block(parts, views, shareable);
+  shared_ = block->segment() != nullptr;
 
   // Swap the Parameters' data (identity kept), then remember what they must look like.
   if (compress) {
@@ -274,7 +317,7 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
 
 std::array<at::Tensor, 2> StreamedLayer::pack_quantized(const at::Tensor& codes, const at::Tensor& scale,
                                                         at::ScalarType math, at::ScalarType result,
-                                                        const at::Tensor& bias) {
+                                                        const at::Tensor& bias, bool frozen) {
   LS_CHECK_ARG(codes.defined() && codes.numel() > 0, "a quantized layer needs non-empty codes");
   LS_CHECK_ARG(code_type_of(codes.scalar_type()).has_value(), "quantized weights must be int8 or float8 codes, not ",
                codes.scalar_type());
@@ -293,7 +336,8 @@ std::array<at::Tensor, 2> StreamedLayer::pack_quantized(const at::Tensor& codes,
     parts.push_back({&b, bias});
   }
   std::vector<at::Tensor> views;
-  auto block = new_block(parts, views);
+  auto block = new_block(parts, views, frozen && !(bias.defined() && bias.requires_grad()));
+  shared_ = block->segment() != nullptr;
   if (b.defined) {
     at::Tensor(bias).set_data(views[2]);
     remember_identity(b, bias);
@@ -328,7 +372,10 @@ void StreamedLayer::refresh(const at::Tensor& weight, const at::Tensor& bias) {
   // one made trainable again is stored as it is (its gradient and updates need the exact values).
   const bool compress_now = compress_frozen_ && !quant_ && !weight.requires_grad();
   const bool expand_now = quant_ && quant_->compressed && weight.requires_grad();
-  if (compress_now || expand_now || !is_current(weight, bias)) pack(weight, bias);
+  // A shared (read-only) block whose weight or bias became trainable gets a copy of this rank's own
+  // before its optimizer writes to it.
+  const bool unshare_now = shared_ && (weight.requires_grad() || (bias.defined() && bias.requires_grad()));
+  if (compress_now || expand_now || unshare_now || !is_current(weight, bias)) pack(weight, bias);
 }
 
 at::Tensor StreamedLayer::host_view(const Packed& p) const {

@@ -82,8 +82,9 @@ class StreamedLayer : public torch::CustomClassHolder {
   // stored and dequantizes them per use: ((codes.to(math) * scale) rounded to math).to(result), the
   // libraries' own formula. Returns the arena views of codes and scale, which the caller puts back into
   // the weight object (so the host copy exists once). The bias (plain) is packed as pack() does.
+  // `frozen`: the weight object takes no gradient (its block may then be shared between the host's ranks).
   std::array<at::Tensor, 2> pack_quantized(const at::Tensor& codes, const at::Tensor& scale, at::ScalarType math,
-                                           at::ScalarType result, const at::Tensor& bias);
+                                           at::ScalarType result, const at::Tensor& bias, bool frozen);
   // The managed forward of a layer whose weight takes no gradient (quantized): only x and the bias are
   // autograd inputs.
   at::Tensor forward_frozen(const at::Tensor& x, const at::Tensor& bias);
@@ -111,8 +112,9 @@ class StreamedLayer : public torch::CustomClassHolder {
 
   // A new block holding `parts` one after another (each 256-byte aligned; their sizes, strides and dtype
   // set, offsets set here), each filled from its source; `views` gets the host views in that order.
+  // `shareable`: frozen contents that may live in the host copy the ranks share (host_share.h).
   std::shared_ptr<HostBlockRef> new_block(const std::vector<std::pair<Packed*, at::Tensor>>& parts,
-                                          std::vector<at::Tensor>& views);
+                                          std::vector<at::Tensor>& views, bool shareable);
   // Makes the new block current (the previous registration is left; its bytes stay valid until the
   // engine lets go of them). Caller holds mu_.
   void install(std::shared_ptr<HostBlockRef> block, Packed w, Packed b, std::optional<QuantParts> q);
@@ -136,7 +138,8 @@ class StreamedLayer : public torch::CustomClassHolder {
   std::shared_ptr<HostBlockRef> block_;
   Packed weight_, bias_;
   std::optional<QuantParts> quant_;
-  bool compress_frozen_ = false;  // LAYERSTREAM_HOST_DTYPE was set when the layer was last packed
+  bool compress_frozen_ = false;
+  bool shared_ = false;  // the block is a segment shared with the other ranks of the host (read-only)  // LAYERSTREAM_HOST_DTYPE was set when the layer was last packed
   std::uint64_t generation_ = 0;  // engine generation the layer is registered in
   LayerId id_ = 0;
 };
