@@ -9,6 +9,7 @@
 #   san    the pytest equality suite under memcheck, synccheck and racecheck (side by side)
 #   quant  the dequantization kernel: its core test (plain and memcheck) and its bandwidth
 #   bench  reliability figures, per-call overhead, the FLUX.1-shaped side by side (see below)
+#   quick  the quantized path's device tests, the ring-OOM test and the kernel's bandwidth (a short call)
 #   perf   FLUX.1-shaped: resident vs streamed bf16, streamed with float8 host storage, and stock vs
 #          layerstream under a 24 GiB cap with that cap as layerstream's VRAM budget
 # One lent-machine call has 10 minutes: `core`, `py,quant`, `san` and `bench` each fit one call.
@@ -81,7 +82,7 @@ run synccheck compute-sanitizer --tool synccheck --error-exitcode 1 \
 fi
 
 installed() { python3 -c 'import layerstream.manager_modules' 2>/dev/null; }
-if want py || want tests || want san || want quant; then
+if want py || want tests || want san || want quant || want quick; then
   step "python package"
   run pip_install python3 -m pip install --no-build-isolation --no-deps -v .
 fi
@@ -180,6 +181,16 @@ if want bench && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
       --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --mode all --vram-cap-gb "$LAYERSTREAM_BENCH_CAP_GB" \
       --aitk-dir "${AI_TOOLKIT_DIR%%:*}" --md-out "$OUT/flux_bench_cap.md" --json-out "$OUT/flux_bench_cap.json"
   fi
+fi
+
+if want quick; then
+  step "quantized path and ring OOM on the device; kernel bandwidth"
+  run pytest_quick bash -c 'cd /tmp && python3 -X faulthandler -m pytest -q -rfE --tb=short -p no:cacheprovider \
+    -k cuda '"$PWD"'/tests/python/test_quantized.py '"$PWD"'/tests/python/test_quantized_generic.py \
+    '"$PWD"'/tests/python/test_shared_host.py && python3 -m pytest -q -rfE --tb=long -p no:cacheprovider \
+    -k "cuda and exhausted" '"$PWD"'/tests/python/test_reliability.py'
+  run dequant_bench python3 benchmarks/dequant_bench.py --peak-gbs 4800 --json-out "$OUT/dequant_bench.json"
+  grep -A 13 "^kind" "$OUT/all.log" | tail -n 13 | sed 's/^/      /' >>"$OUT/summary.txt"
 fi
 
 if want perf && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
