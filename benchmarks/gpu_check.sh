@@ -185,9 +185,9 @@ fi
 
 if want quick; then
   step "quantized path and ring OOM on the device; kernel bandwidth"
-  run pytest_quick bash -c 'cd /tmp && python3 -X faulthandler -m pytest -q -rfE --tb=short -p no:cacheprovider \
-    -k cuda '"$PWD"'/tests/python/test_quantized.py '"$PWD"'/tests/python/test_quantized_generic.py \
-    '"$PWD"'/tests/python/test_shared_host.py && python3 -m pytest -q -rfE --tb=long -p no:cacheprovider \
+  run pytest_quantized bash -c 'cd /tmp && python3 -X faulthandler -m pytest -q -rfE --tb=short -p no:cacheprovider \
+    -k cuda '"$PWD"'/tests/python/test_quantized.py '"$PWD"'/tests/python/test_quantized_generic.py'
+  run pytest_ring_oom bash -c 'cd /tmp && python3 -m pytest -q -rfE --tb=long -p no:cacheprovider \
     -k "cuda and exhausted" '"$PWD"'/tests/python/test_reliability.py'
   run dequant_bench python3 benchmarks/dequant_bench.py --peak-gbs 4800 --json-out "$OUT/dequant_bench.json"
   grep -A 13 "^kind" "$OUT/all.log" | tail -n 13 | sed 's/^/      /' >>"$OUT/summary.txt"
