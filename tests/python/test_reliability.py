@@ -277,6 +277,7 @@ def test_device_memory_exhausted_for_the_ring_is_a_clear_oom_error_and_recoverab
     if engine == "sim":
         monkeypatch.setenv("LAYERSTREAM_SIM_DEVICE_MB", "2048")  # a 2 GiB card
     else:
+        device = torch.device("cuda", torch.cuda.current_device())  # the fraction wants an index
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(2 * 2**30 / total, device)  # a 2 GiB card
