@@ -10,6 +10,8 @@
 #   quant  the dequantization kernel: its core test (plain and memcheck) and its bandwidth
 #   bench  reliability figures, per-call overhead, the FLUX.1-shaped side by side (see below)
 #   quick  the quantized path's device tests, the ring-OOM test and the kernel's bandwidth (a short call)
+#   perf2  FLUX.2-shaped (32B) under a 24 GiB cap: stock vs layerstream (budget), and layerstream with float8
+#          host storage; the all-resident reference uncapped (a call of its own: about 9 minutes)
 #   perf   FLUX.1-shaped: resident vs streamed bf16, streamed with float8 host storage, and stock vs
 #          layerstream under a 24 GiB cap with that cap as layerstream's VRAM budget
 # One lent-machine call has 10 minutes: `core`, `py,quant`, `san` and `bench` each fit one call.
@@ -206,6 +208,19 @@ if want perf && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   run perf_cap env LAYERSTREAM_VRAM_BUDGET=24GiB python3 benchmarks/flux_bench.py --preset flux1 \
     --mode stock,layerstream --vram-cap-gb 24 --aitk-dir "$AITK" --md-out "$OUT/perf_cap.md" --json-out "$OUT/perf_cap.json"
   for f in perf_bf16 perf_fp8 perf_cap; do grep -E "^\| (resident|stock|layerstream)" "$OUT/$f.md" 2>/dev/null | sed "s/^/      $f /" >>"$OUT/summary.txt"; done
+fi
+
+if want perf2 && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
+  installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
+  AITK="${AI_TOOLKIT_DIR%%:*}"
+  step "FLUX.2-shaped: all-resident (uncapped) and, under 24 GiB, stock and layerstream (budget 24GiB)"
+  run perf2_cap env LAYERSTREAM_VRAM_BUDGET=24GiB python3 benchmarks/flux_bench.py --preset flux2 \
+    --mode stock,layerstream --vram-cap-gb 24 --aitk-dir "$AITK" --warmup 1 --steps 3 \
+    --timeline-out "$OUT/flux2-timeline.png" --md-out "$OUT/perf2_cap.md" --json-out "$OUT/perf2_cap.json"
+  run perf2_fp8 env LAYERSTREAM_VRAM_BUDGET=24GiB python3 benchmarks/flux_bench.py --preset flux2 \
+    --mode resident,layerstream --host-dtype float8_e4m3fn --aitk-dir "$AITK" --warmup 1 --steps 3 \
+    --md-out "$OUT/perf2_fp8.md" --json-out "$OUT/perf2_fp8.json"
+  for f in perf2_cap perf2_fp8; do grep -E "^\| (resident|stock|layerstream)" "$OUT/$f.md" 2>/dev/null | sed "s/^/      $f /" >>"$OUT/summary.txt"; done
 fi
 
 cat "$OUT/summary.txt"

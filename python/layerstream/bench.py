@@ -65,6 +65,11 @@ class FluxConfig:
     mlp_ratio: int
     img_tokens: int
     txt_tokens: int
+    # FLUX.2's changes: a SwiGLU MLP (gate and value in one input linear), no biases, and the modulation
+    # computed once for all blocks of a kind instead of by a linear in every block.
+    swiglu: bool = False
+    bias: bool = True
+    shared_modulation: bool = False
 
 
 PRESETS = {
@@ -74,6 +79,11 @@ PRESETS = {
                          img_tokens=4096, txt_tokens=512),
     "small": FluxConfig(hidden=256, heads=4, double_blocks=2, single_blocks=4, mlp_ratio=4,
                         img_tokens=64, txt_tokens=16),
+    # FLUX.2 [dev] shapes: 32.0B parameters (blocks and the shared modulation), 59.6 GiB of bf16.
+    "flux2": FluxConfig(hidden=6144, heads=48, double_blocks=8, single_blocks=48, mlp_ratio=3,
+                        img_tokens=4096, txt_tokens=512, swiglu=True, bias=False, shared_modulation=True),
+    "flux2-small": FluxConfig(hidden=256, heads=4, double_blocks=2, single_blocks=4, mlp_ratio=3,
+                              img_tokens=64, txt_tokens=16, swiglu=True, bias=False, shared_modulation=True),
 }
 
 
@@ -89,17 +99,38 @@ def _attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
     return out.transpose(1, 2).reshape(batch, tokens, -1)
 
 
+class _SwiGLU(nn.Module):
+    """FLUX.2's MLP: one input linear for gate and value, SiLU(gate) * value, one output linear."""
+
+    def __init__(self, h: int, mlp: int, bias: bool):
+        super().__init__()
+        self.up = nn.Linear(h, 2 * mlp, bias=bias)
+        self.down = nn.Linear(mlp, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, value = self.up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * value)
+
+
+def _mlp(cfg: FluxConfig) -> nn.Module:
+    h, mlp = cfg.hidden, cfg.hidden * cfg.mlp_ratio
+    if cfg.swiglu:
+        return _SwiGLU(h, mlp, cfg.bias)
+    return nn.Sequential(nn.Linear(h, mlp, bias=cfg.bias), nn.GELU(approximate="tanh"), nn.Linear(mlp, h, bias=cfg.bias))
+
+
 class _Stream(nn.Module):
     """The per-stream (image or text) half of a double-stream block."""
 
     def __init__(self, cfg: FluxConfig):
         super().__init__()
-        h, mlp = cfg.hidden, cfg.hidden * cfg.mlp_ratio
-        self.mod = nn.Linear(h, 6 * h)
+        h = cfg.hidden
+        if not cfg.shared_modulation:
+            self.mod = nn.Linear(h, 6 * h, bias=cfg.bias)
         self.norm = nn.LayerNorm(h, elementwise_affine=False, eps=1e-6)
-        self.qkv = nn.Linear(h, 3 * h)
-        self.proj = nn.Linear(h, h)
-        self.mlp = nn.Sequential(nn.Linear(h, mlp), nn.GELU(approximate="tanh"), nn.Linear(mlp, h))
+        self.qkv = nn.Linear(h, 3 * h, bias=cfg.bias)
+        self.proj = nn.Linear(h, h, bias=cfg.bias)
+        self.mlp = _mlp(cfg)
 
 
 class DoubleStreamBlock(nn.Module):
@@ -111,10 +142,12 @@ class DoubleStreamBlock(nn.Module):
         self.img = _Stream(cfg)
         self.txt = _Stream(cfg)
 
-    def forward(self, img: torch.Tensor, txt: torch.Tensor, vec: torch.Tensor):
-        cond = F.silu(vec)
-        img_mod = self.img.mod(cond).unsqueeze(1).chunk(6, dim=-1)
-        txt_mod = self.txt.mod(cond).unsqueeze(1).chunk(6, dim=-1)
+    def forward(self, img: torch.Tensor, txt: torch.Tensor, vec: torch.Tensor, img_m=None, txt_m=None):
+        if img_m is None:  # modulation of its own (FLUX.1); FLUX.2 passes the shared one
+            cond = F.silu(vec)
+            img_m, txt_m = self.img.mod(cond), self.txt.mod(cond)
+        img_mod = img_m.unsqueeze(1).chunk(6, dim=-1)
+        txt_mod = txt_m.unsqueeze(1).chunk(6, dim=-1)
         img_qkv = self.img.qkv(_modulate(self.img.norm(img), img_mod[0], img_mod[1]))
         txt_qkv = self.txt.qkv(_modulate(self.txt.norm(txt), txt_mod[0], txt_mod[1]))
         attn = _attention(torch.cat((txt_qkv, img_qkv), dim=1), self.heads)
@@ -133,17 +166,26 @@ class SingleStreamBlock(nn.Module):
         super().__init__()
         h, mlp = cfg.hidden, cfg.hidden * cfg.mlp_ratio
         self.heads = cfg.heads
-        self.split = (3 * h, mlp)
-        self.mod = nn.Linear(h, 3 * h)
+        self.swiglu = cfg.swiglu
+        self.split = (3 * h, 2 * mlp if cfg.swiglu else mlp)
+        if not cfg.shared_modulation:
+            self.mod = nn.Linear(h, 3 * h, bias=cfg.bias)
         self.norm = nn.LayerNorm(h, elementwise_affine=False, eps=1e-6)
-        self.linear1 = nn.Linear(h, 3 * h + mlp)
-        self.linear2 = nn.Linear(h + mlp, h)
+        self.linear1 = nn.Linear(h, sum(self.split), bias=cfg.bias)
+        self.linear2 = nn.Linear(h + mlp, h, bias=cfg.bias)
         self.act = nn.GELU(approximate="tanh")
 
-    def forward(self, x: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
-        shift, scale, gate = self.mod(F.silu(vec)).unsqueeze(1).chunk(3, dim=-1)
+    def forward(self, x: torch.Tensor, vec: torch.Tensor, m=None) -> torch.Tensor:
+        if m is None:
+            m = self.mod(F.silu(vec))
+        shift, scale, gate = m.unsqueeze(1).chunk(3, dim=-1)
         qkv, mlp = self.linear1(_modulate(self.norm(x), shift, scale)).split(self.split, dim=-1)
-        out = self.linear2(torch.cat((_attention(qkv, self.heads), self.act(mlp)), dim=-1))
+        if self.swiglu:
+            g, v = mlp.chunk(2, dim=-1)
+            hidden = F.silu(g) * v
+        else:
+            hidden = self.act(mlp)
+        out = self.linear2(torch.cat((_attention(qkv, self.heads), hidden), dim=-1))
         return x + gate * out
 
 
@@ -153,6 +195,12 @@ class FluxShapedTransformer(nn.Module):
         self.checkpointing = checkpointing
         self.double_blocks = nn.ModuleList(DoubleStreamBlock(cfg) for _ in range(cfg.double_blocks))
         self.single_blocks = nn.ModuleList(SingleStreamBlock(cfg) for _ in range(cfg.single_blocks))
+        self.shared = cfg.shared_modulation
+        if self.shared:  # FLUX.2: one modulation per kind of block, computed once per forward
+            h = cfg.hidden
+            self.double_mod_img = nn.Linear(h, 6 * h, bias=cfg.bias)
+            self.double_mod_txt = nn.Linear(h, 6 * h, bias=cfg.bias)
+            self.single_mod = nn.Linear(h, 3 * h, bias=cfg.bias)
 
     def _run(self, block: nn.Module, *inputs):
         if self.checkpointing and torch.is_grad_enabled():
@@ -160,11 +208,16 @@ class FluxShapedTransformer(nn.Module):
         return block(*inputs)
 
     def forward(self, img: torch.Tensor, txt: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+        double_mods, single_mods = (), ()
+        if self.shared:
+            cond = F.silu(vec)
+            double_mods = (self.double_mod_img(cond), self.double_mod_txt(cond))
+            single_mods = (self.single_mod(cond),)
         for block in self.double_blocks:
-            img, txt = self._run(block, img, txt, vec)
+            img, txt = self._run(block, img, txt, vec, *double_mods)
         x = torch.cat((txt, img), dim=1)
         for block in self.single_blocks:
-            x = self._run(block, x, vec)
+            x = self._run(block, x, vec, *single_mods)
         return x[:, txt.shape[1]:]
 
 
@@ -254,6 +307,38 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _Nvml:
+    """The GPU's energy counter (NVML, millijoules since the driver loaded), read through ctypes so that no
+    Python package is needed. None where NVML or the counter is missing (older GPUs, no driver)."""
+
+    def __init__(self, index: int):
+        import ctypes
+
+        self._ctypes = ctypes
+        self.handle = None
+        try:
+            self.lib = ctypes.CDLL("libnvidia-ml.so.1")
+            if self.lib.nvmlInit_v2() != 0:
+                return
+            handle = ctypes.c_void_p()
+            # NVML numbers GPUs as the driver does; torch's index matches unless CUDA_VISIBLE_DEVICES reorders.
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if visible:
+                index = int(visible.split(",")[index])
+            if self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) == 0:
+                self.handle = handle
+        except (OSError, ValueError, AttributeError):
+            self.handle = None
+
+    def energy_mj(self) -> int | None:
+        if self.handle is None:
+            return None
+        value = self._ctypes.c_ulonglong()
+        if self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle, self._ctypes.byref(value)) != 0:
+            return None
+        return value.value
+
+
 def peak_rss_bytes() -> int | None:
     """Peak resident set size of this process.
 
@@ -330,6 +415,89 @@ def stock_pinned_bytes(tensors: list[torch.Tensor]) -> tuple[int, int]:
             exact += nbytes
             held += 1 << max(nbytes - 1, 0).bit_length()
     return held, exact
+
+
+def _busy(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals, sorted and merged."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    total, j = 0.0, 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            total += min(end, b[k][1]) - max(start, b[k][0])
+            k += 1
+    return total
+
+
+def profile_timeline(step, device: torch.device, png: Path, title: str) -> dict:
+    """Runs `step` once under torch.profiler (CUDA activity: every kernel and every copy of the process,
+    layerstream's own streams included), draws copies against kernels over the step into `png`, and returns
+    the busy times in ms: copies, kernels, both at once, and the step's span."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        _sync(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text()).get("traceEvents", [])
+    copies, kernels = [], []
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        span = (float(e["ts"]) / 1e3, (float(e["ts"]) + float(e["dur"])) / 1e3)  # ms
+        if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", ""):
+            copies.append(span)
+        elif e.get("cat") == "kernel":
+            kernels.append(span)
+    if not copies and not kernels:
+        return {"error": "the profiler recorded no device activity"}
+    t0 = min(s for s, _ in copies + kernels)
+    copies = [(s - t0, e - t0) for s, e in copies]
+    kernels = [(s - t0, e - t0) for s, e in kernels]
+    busy_c, busy_k = _busy(copies), _busy(kernels)
+    summary = {
+        "span_ms": max(e for _, e in copies + kernels),
+        "copy_busy_ms": sum(e - s for s, e in busy_c),
+        "kernel_busy_ms": sum(e - s for s, e in busy_k),
+        "both_ms": _overlap(busy_c, busy_k),
+        "copies": len(copies), "kernels": len(kernels), "png": str(png),
+    }
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(14, 2.6))
+        ax.broken_barh([(s, e - s) for s, e in busy_k], (10, 8), color="tab:blue", label="GPU kernels")
+        ax.broken_barh([(s, e - s) for s, e in busy_c], (0, 8), color="tab:orange", label="H2D copies")
+        ax.set_yticks([4, 14], labels=["H2D copies", "kernels"])
+        ax.set_xlabel("ms from the first device activity of the step")
+        ax.set_title(f"{title}: one training step (copies busy {summary['copy_busy_ms']:.0f} ms, kernels busy "
+                     f"{summary['kernel_busy_ms']:.0f} ms, both {summary['both_ms']:.0f} ms, span "
+                     f"{summary['span_ms']:.0f} ms)", fontsize=9)
+        fig.tight_layout()
+        png.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(png, dpi=110)
+        plt.close(fig)
+    except ImportError:
+        summary["png"] = None
+    print(f"timeline: {summary}", flush=True)
+    return summary
 
 
 def layerstream_stats() -> dict | None:
@@ -412,19 +580,28 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
     # (here only the LoRA trains and it lives on the device, so there is nothing to wait for, but it is called).
     sync_grads = getattr(package, "sync_grad_transfers", None)
 
-    losses, times = [], []
-    stats_at_start = None
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup and mode == "layerstream":
-            stats_at_start = layerstream_stats()  # engine counters are cumulative: diff over the timed steps
-        _sync(device)
-        t0 = time.perf_counter()
+    def one_step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
         loss = model(img, txt, vec).float().pow(2).mean()
         loss.backward()
         if sync_grads is not None:
             sync_grads()
         optimizer.step()
+        return loss
+
+    losses, times = [], []
+    stats_at_start = None
+    nvml = _Nvml(device.index or 0) if device.type == "cuda" else None
+    energy_start = None
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup and mode == "layerstream":
+            stats_at_start = layerstream_stats()  # engine counters are cumulative: diff over the timed steps
+        if step == args.warmup and nvml is not None:
+            _sync(device)
+            energy_start = nvml.energy_mj()
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = one_step()
         _sync(device)
         elapsed = time.perf_counter() - t0
         losses.append(loss.item())
@@ -433,6 +610,15 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
         print(f"[{mode}] step {step}{' (warmup)' if step < args.warmup else ''}: {elapsed:.3f} s, "
               f"loss {losses[-1]:.6g}", flush=True)
 
+    energy_end = nvml.energy_mj() if nvml is not None else None
+    timeline = None
+    if args.timeline_out and device.type == "cuda" and mode != "resident":
+        # One more step (not timed) under the profiler: when the bus copied and when the GPU computed.
+        out = Path(args.timeline_out)
+        timeline = profile_timeline(one_step, device, out.with_name(f"{out.stem}-{mode}{out.suffix or '.png'}"),
+                                    f"{args.preset} {mode}")
+    joules_per_step = ((energy_end - energy_start) / 1e3 / len(times)
+                       if energy_start is not None and energy_end is not None else None)
     managed = managed_tensors(model)
     managed_bytes = sum(t.nbytes for t in managed)
     row = {
@@ -442,6 +628,7 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
         "lora_params": sum(p.numel() for p in network.parameters()), "build_s": build_s, "place_s": place_s,
         "peak_vram_allocated_bytes": None, "peak_vram_reserved_bytes": None, "peak_rss_bytes": peak_rss_bytes(),
         "pinned_bytes": None, "pinned_bytes_exact": None, "bytes_per_step": None, "engine_stats": None,
+        "joules_per_step": joules_per_step, "timeline": timeline,
     }
     if device.type == "cuda":
         row["peak_vram_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -490,12 +677,12 @@ def _fmt(value, scale: float = 1.0, digits: int = 2) -> str:
 def markdown_table(rows: list[dict]) -> str:
     lines = [
         "| mode | s/step mean (min) | peak VRAM GiB alloc / reserved | peak RSS GiB | pinned GiB (exact) "
-        "| GiB/step over bus | floor s | x floor | first loss |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| GiB/step over bus | floor s | x floor | J/step | first loss |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['mode']} | {r['status']}: {r['reason']} | | | | | | | |")
+            lines.append(f"| {r['mode']} | {r['status']}: {r['reason']} | | | | | | | | |")
             continue
         exact = "" if r["pinned_bytes_exact"] is None else f" ({_fmt(r['pinned_bytes_exact'], GiB)})"
         lines.append(
@@ -503,7 +690,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {_fmt(r['peak_vram_allocated_bytes'], GiB)} / {_fmt(r['peak_vram_reserved_bytes'], GiB)} "
             f"| {_fmt(r['peak_rss_bytes'], GiB)} | {_fmt(r['pinned_bytes'], GiB)}{exact} "
             f"| {_fmt(r['bytes_per_step'], GiB)} | {_fmt(r['floor_s'], digits=3)} "
-            f"| {_fmt(r['ratio_to_floor'])} | {r['losses'][0]:.6g} |"
+            f"| {_fmt(r['ratio_to_floor'])} | {_fmt(r.get('joules_per_step'), digits=0)} | {r['losses'][0]:.6g} |"
         )
     return "\n".join(lines)
 
@@ -591,6 +778,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--offload-percent", type=float, default=1.0,
                         help="AI-Toolkit's offload_percent: the fraction of linears the manager takes over")
     parser.add_argument("--vram-cap-gb", type=float, help="cap this process's VRAM at this many GiB")
+    parser.add_argument("--timeline-out", help="GPU: profile one extra step per streamed mode and draw its copies "
+                                                   "against its kernels into FILE-<mode>.png")
     parser.add_argument("--quantize", choices=("qfloat8", "qint8"),
                         help="quantize every linear with optimum-quanto (weights only, frozen) in every mode")
     parser.add_argument("--host-dtype", choices=("float8_e4m3fn", "float8_e5m2"),

@@ -4,6 +4,7 @@ between GPU sessions. Timings are not checked: they belong to the benchmark's ow
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,38 @@ def test_small_preset_runs_and_reports(tmp_path, mode):
     [row] = json.loads(out.read_text())["results"]
     assert row["mode"] == mode and row["status"] == "ok"
     assert len(row["losses"]) == 2
+
+
+def test_flux2_shapes_and_options_run_in_one_call(tmp_path):
+    """The FLUX.2-shaped model (SwiGLU, no bias, shared modulation), two modes in one call, host float8
+    storage and optimum-quanto weights: every option the GPU runs use, at toy size."""
+    dirs = aitk_dirs()
+    if not dirs:
+        pytest.skip("the layerstream mode drives AI-Toolkit's manager.py: set AI_TOOLKIT_DIR")
+    pytest.importorskip("optimum.quanto", reason="--quantize needs optimum-quanto")
+    base = [sys.executable, str(BENCH), "--preset", "flux2-small", "--steps", "1", "--warmup", "1",
+            "--aitk-dir", dirs[0]]
+    runs = {
+        "bf16": ["--mode", "resident,layerstream"],
+        "host-float8": ["--mode", "layerstream", "--host-dtype", "float8_e4m3fn"],
+        "qfloat8": ["--mode", "layerstream", "--quantize", "qfloat8"],
+    }
+    rows = {}
+    for name, extra in runs.items():
+        out = tmp_path / f"{name}.json"
+        result = subprocess.run(base + extra + ["--json-out", str(out)], capture_output=True, text=True,
+                                timeout=600, env={**os.environ, "LAYERSTREAM_BACKEND": "sim"})
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        rows[name] = json.loads(out.read_text())["results"]
+    resident, streamed = rows["bf16"]
+    assert (resident["mode"], streamed["mode"]) == ("resident", "layerstream")
+    assert streamed["losses"] == resident["losses"]  # the simulator computes exactly what resident does
+    # float8 host storage moves about half the bytes of bf16 per step (codes + a float32 scale per row).
+    ratio = rows["host-float8"][0]["bytes_per_step"] / streamed["bytes_per_step"]
+    assert 0.5 <= ratio < 0.53, ratio
+    assert rows["host-float8"][0]["pinned_bytes"] < 0.55 * streamed["pinned_bytes"]
+    quantized = rows["qfloat8"][0]
+    assert quantized["status"] == "ok" and quantized["bytes_per_step"] < 0.55 * streamed["bytes_per_step"]
 
 
 def test_plot_script_draws_the_recorded_benchmark(tmp_path):
