@@ -211,16 +211,23 @@ if want perf && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
 fi
 
 if want perf2 && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
+  # LAYERSTREAM_PERF2_RUNS picks the runs (default all three; about 3 minutes each): resident = the
+  # all-resident reference, uncapped; cap = stock and layerstream (budget = the cap) under 24 GiB; fp8 = the
+  # same layerstream run with float8 host storage.
   installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
   AITK="${AI_TOOLKIT_DIR%%:*}"
-  step "FLUX.2-shaped: all-resident (uncapped) and, under 24 GiB, stock and layerstream (budget 24GiB)"
-  run perf2_cap env LAYERSTREAM_VRAM_BUDGET=24GiB python3 benchmarks/flux_bench.py --preset flux2 \
-    --mode stock,layerstream --vram-cap-gb 24 --aitk-dir "$AITK" --warmup 1 --steps 3 \
-    --timeline-out "$OUT/flux2-timeline.png" --md-out "$OUT/perf2_cap.md" --json-out "$OUT/perf2_cap.json"
-  run perf2_fp8 env LAYERSTREAM_VRAM_BUDGET=24GiB python3 benchmarks/flux_bench.py --preset flux2 \
-    --mode resident,layerstream --host-dtype float8_e4m3fn --aitk-dir "$AITK" --warmup 1 --steps 3 \
-    --md-out "$OUT/perf2_fp8.md" --json-out "$OUT/perf2_fp8.json"
-  for f in perf2_cap perf2_fp8; do grep -E "^\| (resident|stock|layerstream)" "$OUT/$f.md" 2>/dev/null | sed "s/^/      $f /" >>"$OUT/summary.txt"; done
+  RUNS=",${LAYERSTREAM_PERF2_RUNS:-resident,cap,fp8},"
+  F2=(python3 benchmarks/flux_bench.py --preset flux2 --aitk-dir "$AITK" --warmup 1 --steps 3)
+  step "FLUX.2-shaped (32B): runs ${RUNS}"
+  [[ $RUNS == *,resident,* ]] && run perf2_resident "${F2[@]}" --mode resident \
+    --md-out "$OUT/perf2_resident.md" --json-out "$OUT/perf2_resident.json"
+  [[ $RUNS == *,cap,* ]] && run perf2_cap env LAYERSTREAM_VRAM_BUDGET=24GiB "${F2[@]}" --mode stock,layerstream \
+    --vram-cap-gb 24 --timeline-out "$OUT/flux2-timeline.png" --md-out "$OUT/perf2_cap.md" --json-out "$OUT/perf2_cap.json"
+  [[ $RUNS == *,fp8,* ]] && run perf2_fp8 env LAYERSTREAM_VRAM_BUDGET=24GiB "${F2[@]}" --mode layerstream \
+    --host-dtype float8_e4m3fn --vram-cap-gb 24 --md-out "$OUT/perf2_fp8.md" --json-out "$OUT/perf2_fp8.json"
+  for f in perf2_resident perf2_cap perf2_fp8; do
+    grep -E "^\| (resident|stock|layerstream)" "$OUT/$f.md" 2>/dev/null | sed "s/^/      $f /" >>"$OUT/summary.txt"
+  done
 fi
 
 cat "$OUT/summary.txt"
