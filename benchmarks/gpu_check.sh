@@ -12,6 +12,8 @@
 #   quick  the quantized path's device tests, the ring-OOM test and the kernel's bandwidth (a short call)
 #   perf2  FLUX.2-shaped (32B) under a 24 GiB cap: stock vs layerstream (budget), and layerstream with float8
 #          host storage; the all-resident reference uncapped (a call of its own: about 9 minutes)
+#   ddp    (nvidia-h200-x2) two-rank DDP LoRA on the FLUX.1 shapes: shared host copy vs private vs one rank,
+#          plus the two-process pytest of the shared copy on NCCL
 #   perf   FLUX.1-shaped: resident vs streamed bf16, streamed with float8 host storage, and stock vs
 #          layerstream under a 24 GiB cap with that cap as layerstream's VRAM budget
 # One lent-machine call has 10 minutes: `core`, `py,quant`, `san` and `bench` each fit one call.
@@ -228,6 +230,15 @@ if want perf2 && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   for f in perf2_resident perf2_cap perf2_fp8; do
     grep -E "^\| (resident|stock|layerstream)" "$OUT/$f.md" 2>/dev/null | sed "s/^/      $f /" >>"$OUT/summary.txt"
   done
+fi
+
+if want ddp; then
+  installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
+  step "two ranks on one host (needs 2 GPUs)"
+  run pytest_shared_host bash -c 'cd /tmp && python3 -m pytest -q -rfE --tb=short -p no:cacheprovider '"$PWD"'/tests/python/test_shared_host.py'
+  run ddp_bench python3 benchmarks/ddp_bench.py --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --world 2 \
+    --json-out "$OUT/ddp_bench.json" --md-out "$OUT/ddp_bench.md"
+  grep -E "^\| (share|private|single)" "$OUT/ddp_bench.md" 2>/dev/null | sed "s/^/      /" >>"$OUT/summary.txt"
 fi
 
 cat "$OUT/summary.txt"
