@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -126,6 +127,9 @@ class DeviceState {
   // Keeps a download's destination memory (and, on the simulator, its source's: there is no caching
   // allocator whose record_stream could do it) alive until sync_downloads().
   void keep_until_synced(c10::Storage storage);
+  // True the first time it is called for autograd graph task `task` (since another task claimed it):
+  // the caller then queues the end-of-backward join, the others need not.
+  bool claim_end_of_backward_join(int task) { return join_task_.exchange(task) != task; }
   StateStats stats();
   std::string describe() const;
 
@@ -159,6 +163,7 @@ class DeviceState {
   std::uint64_t predictor_generation_ = 0;  // the engine generation whose layer ids it has seen
   std::vector<c10::Storage> downloads_in_flight_;  // memory the pending downloads read or write
   Stream host_stream_;   // sim only
+  std::atomic<int> join_task_{-1};  // the graph task whose end-of-backward join is queued
 };
 
 }  // namespace layerstream::torchglue

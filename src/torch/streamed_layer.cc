@@ -7,6 +7,7 @@
 #include <functional>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include "layerstream/check.h"
 #include "layerstream/dequant.h"
@@ -566,11 +567,15 @@ at::Tensor StreamedLayer::grad_to_host(at::Tensor grad, const at::Tensor& param)
   } else {
     // Otherwise the copy overlaps the rest of backward and is joined when backward ends, so that .grad
     // is whole when loss.backward() returns, also for trainers that never call sync_grad_transfers()
-    // (AI-Toolkit 323b4aaf). Joining again costs nothing when nothing is pending.
-    std::weak_ptr<DeviceState> weak = state_;
-    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-      if (auto state = weak.lock()) state->sync_downloads();
-    });
+    // (AI-Toolkit 323b4aaf). One join per backward pass (graph task) and device is enough: it joins every
+    // copy issued before it. Outside a graph task (-1) every call queues its own.
+    const int task = torch::autograd::get_current_graph_task_id();
+    if (task < 0 || state_->claim_end_of_backward_join(task)) {
+      std::weak_ptr<DeviceState> weak = state_;
+      torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+        if (auto state = weak.lock()) state->sync_downloads();
+      });
+    }
   }
   return staging;
 }
