@@ -1,5 +1,6 @@
 #include "device_state.h"
 #include "host_share.h"
+#include "layerstream/residency_plan.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -303,13 +304,21 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
   if (view.limit == 0) return "LAYERSTREAM_VRAM_BUDGET is set but nothing reports device memory here; ignored";
   const std::size_t headroom = view.limit / 20;  // 5%: allocator fragmentation, a longer prompt
   budget_room_ = view.limit > view.peak + headroom ? view.limit - view.peak - headroom : 0;
-  std::size_t kept = 0, kept_bytes = 0, streamed = 0;
+  std::vector<LayerId> ids;
+  std::vector<std::size_t> sizes;
   for (LayerId id : first_uses_) {
-    const std::optional<std::size_t> bytes = layer_bytes_locked(id);
-    if (!bytes) continue;  // freed since
-    if (kept_bytes + *bytes <= budget_room_ && engine_->make_resident(id)) {
+    if (const std::optional<std::size_t> bytes = layer_bytes_locked(id)) {  // nullopt: freed since
+      ids.push_back(id);
+      sizes.push_back(*bytes);
+    }
+  }
+  // Spread over the step (residency_plan.h): streamed copies then overlap resident layers' compute.
+  const std::vector<bool> keep = spread_residency(sizes, budget_room_);
+  std::size_t kept = 0, kept_bytes = 0, streamed = 0;
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    if (keep[i] && engine_->make_resident(ids[i])) {
       ++kept;
-      kept_bytes += *bytes;
+      kept_bytes += sizes[i];
     } else {
       ++streamed;
     }

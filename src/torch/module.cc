@@ -4,7 +4,8 @@
 // 2025-11 and 2026-08 versions alike; see docs/ai-toolkit.md. What is done per call runs in C++: the
 // forward installed on a managed layer is a C++ callable that reads the layer's weight and bias, checks
 // them against the packed copy, and calls the StreamedLayer's autograd function. Python code runs only at
-// attach time and on the generic path for tensor-subclass (quantized) weights.
+// attach time, on the generic path for tensor-subclass weights layerstream does not know, and in the
+// layer's own forward on the OstrisLinear path.
 //
 // Lifetime: the installed forward holds the StreamedLayer (C++) and weak references to the layer and to
 // its `_layer_memory_manager` object, so no reference cycle hides from Python's garbage collector.
@@ -36,12 +37,15 @@ namespace {
 // The object a managed layer gets as `_layer_memory_manager`. Python attributes (module, manager,
 // _original_forward) live in its __dict__, which the garbage collector can traverse.
 struct LayerManager {
-  c10::intrusive_ptr<StreamedLayer> layer;  // null on the generic and OstrisLinear paths
+  c10::intrusive_ptr<StreamedLayer> layer;  // null on the generic path
   std::string path;                          // "streamed", "cpu", "quantized", "generic" or "ostris"
   // Quantized path: the weight object whose codes were packed, and the attribute names of its codes and
   // scale (they differ between libraries).
   py::object quant_weight;
   std::string codes_attr, scale_attr;
+  // OstrisLinear path: the names of the packed buffers, in block order (then the bias, when it has one).
+  std::vector<std::string> buffer_names;
+  bool ostris_bias = false;
   virtual ~LayerManager() = default;
 };
 struct LinearManager : LayerManager {};
@@ -259,38 +263,58 @@ py::object generic_forward(const py::object& module, const py::object& x, bool c
   return on_cpu ? out.attr("to")(x.attr("device")) : out;
 }
 
-// OstrisLinear: the quantized state is in `_buffers` (plus the bias); stage it onto the device, run the
-// layer's own forward (its quantizer), then put the host tensors back.
-py::object ostris_forward(const py::object& module, const py::object& original, const py::object& x,
-                          const std::shared_ptr<DeviceState>& state) {
-  if (state->mode() != Mode::kCuda) return original(x);
-  py::object device = py::cast(state->device());
+// OstrisLinear: the quantized state is in `_buffers` (plus the bias). They are packed into one arena block
+// at attach (the layer's buffers and bias become host views of it); each call stages copies of them onto the
+// device through the engine (pinned, prefetched, out of the ring into torch's allocator), swaps them into
+// the layer for its own forward (its quantizer), then puts the host views back.
+std::vector<at::Tensor> ostris_tensors(const py::object& module, const LayerManager& core) {
+  std::vector<at::Tensor> out;
   py::dict buffers = module.attr("_buffers");
-  py::dict host_buffers;
+  for (const auto& name : core.buffer_names) out.push_back(py::reinterpret_borrow<py::object>(buffers[name.c_str()]).cast<at::Tensor>());
+  if (core.ostris_bias) out.push_back(py::dict(module.attr("_parameters"))["bias"].cast<at::Tensor>());
+  return out;
+}
+
+void ostris_pack(const py::object& module, LayerManager& core) {
+  py::dict buffers = module.attr("_buffers");
+  core.buffer_names.clear();
+  std::vector<at::Tensor> tensors;
   for (auto item : buffers) {
     if (item.second.is_none()) continue;
-    py::object t = py::reinterpret_borrow<py::object>(item.second);
-    if (t.attr("device").attr("type").cast<std::string>() != "cpu") continue;
-    host_buffers[item.first] = t;
+    core.buffer_names.push_back(item.first.cast<std::string>());
+    tensors.push_back(item.second.cast<at::Tensor>());
   }
   py::object bias = py::dict(module.attr("_parameters")).attr("get")("bias");
-  py::object host_bias_data = py::none();
-  if (!bias.is_none() && bias.attr("device").attr("type").cast<std::string>() == "cpu") {
-    host_bias_data = bias.attr("data");
+  core.ostris_bias = !bias.is_none();
+  if (core.ostris_bias) tensors.push_back(bias.cast<at::Tensor>());
+  if (tensors.empty()) return;
+  std::vector<at::Tensor> views = core.layer->pack_tensors(tensors);
+  for (std::size_t i = 0; i < core.buffer_names.size(); ++i) buffers[core.buffer_names[i].c_str()] = py::cast(views[i]);
+  if (core.ostris_bias) at::Tensor(bias.cast<at::Tensor>()).set_data(views.back());
+}
+
+py::object ostris_forward(const py::object& module, LayerManager& core, const py::object& original,
+                          const py::object& x, const std::shared_ptr<DeviceState>& state) {
+  if (state->mode() == Mode::kCpu || core.layer->packed_bytes() == 0) return original(x);
+  std::vector<at::Tensor> host = ostris_tensors(module, core);
+  if (!core.layer->tensors_current(host)) {  // buffers replaced (a requantize, a load): pack the new ones
+    ostris_pack(module, core);
+    host = ostris_tensors(module, core);
   }
-  if (host_buffers.size() == 0 && host_bias_data.is_none()) return original(x);
-  for (auto item : host_buffers) {
-    buffers[item.first] = py::reinterpret_borrow<py::object>(item.second).attr("to")(device, py::arg("non_blocking") = true);
-  }
-  if (!host_bias_data.is_none()) bias.attr("data") = host_bias_data.attr("to")(device, py::arg("non_blocking") = true);
+  std::vector<at::Tensor> staged = core.layer->stage_tensors();
+  py::dict buffers = module.attr("_buffers");
+  py::object bias = core.ostris_bias ? py::object(py::dict(module.attr("_parameters"))["bias"]) : py::none();
+  auto swap_in = [&](const std::vector<at::Tensor>& tensors) {
+    for (std::size_t i = 0; i < core.buffer_names.size(); ++i) buffers[core.buffer_names[i].c_str()] = py::cast(tensors[i]);
+    if (core.ostris_bias) at::Tensor(bias.cast<at::Tensor>()).set_data(tensors.back());
+  };
+  swap_in(staged);
   try {
     py::object out = original(x);
-    for (auto item : host_buffers) buffers[item.first] = item.second;
-    if (!host_bias_data.is_none()) bias.attr("data") = host_bias_data;
+    swap_in(host);
     return out;
   } catch (...) {
-    for (auto item : host_buffers) buffers[item.first] = item.second;
-    if (!host_bias_data.is_none()) bias.attr("data") = host_bias_data;
+    swap_in(host);
     throw;
   }
 }
@@ -355,7 +379,7 @@ py::cpp_function make_forward(const py::object& module, const py::object& manage
       return mgr.attr("_original_forward")(*args, **kwargs);
     }
     py::object x = args[0];
-    if (path == "ostris") return ostris_forward(module, mgr.attr("_original_forward"), x, state);
+    if (path == "ostris") return ostris_forward(module, mgr.cast<LayerManager&>(), mgr.attr("_original_forward"), x, state);
     if (path == "generic") return generic_forward(module, x, conv, state);
     if (path == "quantized") return quantized_forward(module, mgr.cast<LayerManager&>(), x, conv, state);
     const at::Tensor weight = module.attr("weight").cast<at::Tensor>();
@@ -387,7 +411,7 @@ void attach(const py::object& module, const py::object& manager, Which which) {
 
   if (which == Which::kOstris) {
     core.path = "ostris";
-    // Quantized buffers and the bias go to the host once; they are staged per call.
+    // The quantized buffers and the bias go into one arena block, as stored (moved off the device first).
     py::dict buffers = module.attr("_buffers");
     for (auto item : buffers) {
       if (item.second.is_none()) continue;
@@ -395,6 +419,8 @@ void attach(const py::object& module, const py::object& manager, Which which) {
     }
     py::object bias = py::dict(module.attr("_parameters")).attr("get")("bias");
     if (!bias.is_none()) bias.attr("data") = bias.attr("data").attr("to")("cpu");
+    core.layer = c10::make_intrusive<StreamedLayer>(state, LayerKind::kLinear);
+    ostris_pack(module, core);
   } else {
     const bool conv = which == Which::kConv;
     py::object weight = py::dict(module.attr("_parameters")).attr("get")("weight");

@@ -348,7 +348,45 @@ std::array<at::Tensor, 2> StreamedLayer::pack_quantized(const at::Tensor& codes,
   return {views[0], views[1]};
 }
 
+std::vector<at::Tensor> StreamedLayer::pack_tensors(const std::vector<at::Tensor>& tensors) {
+  LS_CHECK_ARG(!tensors.empty(), "a managed layer needs at least one tensor");
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Packed> packed;
+  packed.reserve(tensors.size());  // parts point into it
+  bool shareable = true;
+  for (const auto& t : tensors) {
+    LS_CHECK_ARG(t.defined() && t.layout() == at::kStrided, "a managed layer's tensors must be dense");
+    packed.push_back(describe(t, layout_of(t), t.scalar_type()));
+    shareable = shareable && !t.requires_grad();
+  }
+  std::vector<std::pair<Packed*, at::Tensor>> parts;
+  for (std::size_t i = 0; i < tensors.size(); ++i) parts.push_back({&packed[i], tensors[i]});
+  std::vector<at::Tensor> views;
+  auto block = new_block(parts, views, shareable);
+  shared_ = block->segment() != nullptr;
+  for (std::size_t i = 0; i < views.size(); ++i) remember_identity(packed[i], views[i]);
+  install(std::move(block), Packed{}, Packed{}, std::nullopt);
+  tensors_ = std::move(packed);
+  return views;
+}
+
+bool StreamedLayer::tensors_current(const std::vector<at::Tensor>& tensors) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (tensors.size() != tensors_.size()) return false;
+  bool modified = false;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (!matches(tensors_[i], tensors[i])) return false;
+    modified = modified || tensors[i]._version() != tensors_[i].version;
+  }
+  if (modified) {  // changed in place (a requantize): the arena holds the new bytes; the device copy is stale
+    if (TransferEngine* engine = engine_if_registered()) engine->begin_host_write(id_);
+    for (std::size_t i = 0; i < tensors.size(); ++i) tensors_[i].version = tensors[i]._version();
+  }
+  return true;
+}
+
 std::string StreamedLayer::stored_as() const {
+  if (!tensors_.empty()) return std::string(c10::toString(tensors_.front().dtype));  // the first buffer's
   return std::string(c10::toString(weight_.dtype));
 }
 
@@ -457,13 +495,14 @@ TransferEngine& StreamedLayer::registered_engine() {
 }
 
 template <typename Fn>
-auto StreamedLayer::with_device_weights(Fn&& fn) {
+auto StreamedLayer::with_region(Fn&& fn) {
   TransferEngine& engine = registered_engine();
   const StreamHandle consumer = state_->consumer_stream();
   const Lease lease = engine.fetch(id_);
   state_->note_use(id_);  // after the fetch holds this layer, so prefetches cannot displace it
   const bool on_host = state_->mode() == Mode::kSim;
   const at::Device where = on_host ? at::Device(at::kCPU) : state_->device();
+  // A view of one packed tensor in the fetched region.
   auto view = [&](const Packed& p) {
     if (!p.defined) return at::Tensor();
     return at::from_blob(static_cast<char*>(lease.data) + p.offset, p.sizes, p.strides,
@@ -476,15 +515,36 @@ auto StreamedLayer::with_device_weights(Fn&& fn) {
     } else {
       engine.wait_ready(lease, consumer);
     }
-    at::Tensor w = view(weight_);
-    if (quant_) w = dequantize(w, view(quant_->scale), !on_host);
-    auto result = fn(w, view(bias_));
+    auto result = fn(view, on_host);
     engine.release(lease, consumer);  // after every kernel that reads the region was enqueued
     return result;
   } catch (...) {
     engine.release(lease, consumer);
     throw;
   }
+}
+
+template <typename Fn>
+auto StreamedLayer::with_device_weights(Fn&& fn) {
+  return with_region([&](const auto& view, bool on_host) {
+    at::Tensor w = view(weight_);
+    if (quant_) w = dequantize(w, view(quant_->scale), !on_host);
+    return fn(w, view(bias_));
+  });
+}
+
+std::vector<at::Tensor> StreamedLayer::stage_tensors() {
+#ifdef LAYERSTREAM_TORCH_CUDA
+  std::optional<c10::cuda::CUDAGuard> guard;
+  if (state_->mode() == Mode::kCuda) guard.emplace(state_->device().index());
+#endif
+  return with_region([&](const auto& view, bool) {
+    std::vector<at::Tensor> out;
+    out.reserve(tensors_.size());
+    // Copies out of the ring: the region goes back as soon as they are enqueued.
+    for (const Packed& p : tensors_) out.push_back(view(p).clone());
+    return out;
+  });
 }
 
 at::Tensor StreamedLayer::forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {

@@ -85,6 +85,18 @@ class StreamedLayer : public torch::CustomClassHolder {
   // `frozen`: the weight object takes no gradient (its block may then be shared between the host's ranks).
   std::array<at::Tensor, 2> pack_quantized(const at::Tensor& codes, const at::Tensor& scale, at::ScalarType math,
                                            at::ScalarType result, const at::Tensor& bias, bool frozen);
+  // A layer whose state is a set of tensors its own forward uses (AI-Toolkit's OstrisLinear: quantizer
+  // buffers, then the bias): all of them in one block, as stored. Returns the host views, in order (the
+  // caller puts them back into the layer, so the host copy exists once).
+  std::vector<at::Tensor> pack_tensors(const std::vector<at::Tensor>& tensors);
+  // False when a tensor is not the packed view any more (replaced): pack again. One modified in place
+  // stays current (its device copy is dropped).
+  bool tensors_current(const std::vector<at::Tensor>& tensors);
+  // Device copies of the packed tensors for one call: fetched through the engine (prefetched when
+  // predicted), copied out of the ring on torch's current stream into tensors of torch's allocator (autograd
+  // may keep what the layer's forward makes of them), then the region is released.
+  std::vector<at::Tensor> stage_tensors();
+
   // The managed forward of a layer whose weight takes no gradient (quantized): only x and the bias are
   // autograd inputs.
   at::Tensor forward_frozen(const at::Tensor& x, const at::Tensor& bias);
@@ -122,7 +134,11 @@ class StreamedLayer : public torch::CustomClassHolder {
   at::Tensor host_view(const Packed& p) const;
   at::Tensor compute_on_host(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const;
 
-  // Runs `fn(weight_view, bias_view)` with the layer fetched onto the device and releases it after.
+  // Runs `fn(view, on_host)` with the layer's block fetched onto the device (view(packed) is the tensor
+  // at that place of the region) and releases the region after.
+  template <typename Fn>
+  auto with_region(Fn&& fn);
+  // Runs `fn(weight_view, bias_view)` (the weight dequantized when it is stored as codes).
   template <typename Fn>
   auto with_device_weights(Fn&& fn);
   TransferEngine& registered_engine();
@@ -138,6 +154,7 @@ class StreamedLayer : public torch::CustomClassHolder {
   std::shared_ptr<HostBlockRef> block_;
   Packed weight_, bias_;
   std::optional<QuantParts> quant_;
+  std::vector<Packed> tensors_;  // pack_tensors(): the layer's own tensors, in order
   bool compress_frozen_ = false;
   bool shared_ = false;  // the block is a segment shared with the other ranks of the host (read-only)  // LAYERSTREAM_HOST_DTYPE was set when the layer was last packed
   std::uint64_t generation_ = 0;  // engine generation the layer is registered in

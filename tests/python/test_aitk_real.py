@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import aitk_dirs
 from layerstream import manager_modules as mm
@@ -88,3 +89,65 @@ def test_stock_and_layerstream_agree_on_the_same_checkout(device, engine, aitk_d
         with torch.no_grad():
             outputs.append(model(torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1)).to(device)))
     assert torch.equal(outputs[0], outputs[1])
+
+
+def _import_ostris(aitk_dir):
+    """AI-Toolkit's own OstrisLinear and its uint4 backend, from the checkout (HEAD has them)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    if not (Path(aitk_dir) / "toolkit" / "util" / "uintx_quant.py").is_file():
+        pytest.skip(f"{aitk_dir}: this AI-Toolkit version has no OstrisLinear uintx backend")
+    for name in [n for n in sys.modules if n == "toolkit" or n.startswith("toolkit.")]:
+        del sys.modules[name]  # another checkout's toolkit may be loaded
+    sys.path.insert(0, aitk_dir)
+    try:
+        ostris = importlib.import_module("toolkit.util.ostris_quant")
+        uintx = importlib.import_module("toolkit.util.uintx_quant")
+    finally:
+        sys.path.remove(aitk_dir)
+    return ostris, uintx
+
+
+@pytest.mark.parametrize("aitk_dir", DIRS)
+def test_real_ostris_linear_streams_its_buffers_and_computes_like_itself(engine, device, aitk_dir):
+    """AI-Toolkit's quantized linear (uint4, its own packing): its buffers and bias go into one arena block,
+    each call stages them through the engine and runs the layer's own quantizer: bitwise its own output."""
+    ostris, uintx = _import_ostris(aitk_dir)
+    torch.manual_seed(12)
+    layers = []
+    for _ in range(3):
+        lin = torch.nn.Linear(256, 128).to(torch.bfloat16)
+        quantizer = uintx.UIntXQuantizer(4)
+        quantizer.qtype = "uint4"
+        assert ostris.convert_linear_to_ostris(lin, quantizer)
+        layers.append(lin.to(device))
+    x = torch.randn(4, 256, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        expected = [lin(x) for lin in layers]
+    for lin in layers:
+        mm.OstrisLinearLayerMemoryManager.attach(lin, type("M", (), {"process_device": device})())
+        lmm = lin._layer_memory_manager
+        assert lmm.path == "ostris"
+        sizes = [b.numel() * b.element_size() for b in lin._buffers.values()] + [lin.bias.numel() * 2]
+        expect_bytes = 0
+        for n in sizes:
+            expect_bytes = (expect_bytes + 255) // 256 * 256 + n
+        assert lmm.packed_bytes == expect_bytes
+        assert all(b.device.type == "cpu" for b in lin._buffers.values())
+        if engine == "cuda":
+            assert all(b.is_pinned() for b in lin._buffers.values())
+    before = mm.stats()["bytes_h2d"]
+    for _ in range(2):  # the second pass reuses or refetches: the same bits either way
+        with torch.no_grad():
+            for lin, want in zip(layers, expected):
+                assert torch.equal(lin(x), want)
+                assert all(b.device.type == "cpu" for b in lin._buffers.values())  # host views put back
+    if engine != "cpu":
+        assert mm.stats()["bytes_h2d"] - before >= sum(l._layer_memory_manager.packed_bytes for l in layers)
+    # A requantize writes new codes in place (AI-Toolkit's merge path): the next call sees them.
+    lin = layers[0]
+    with torch.no_grad():
+        lin.requantize_(torch.randn(128, 256))
+        assert torch.equal(lin(x), F.linear(x, lin.dequantize_weight().to(device).to(x.dtype), lin.bias.to(device)))
