@@ -361,6 +361,24 @@ py::object quantized_forward(const py::object& module, LayerManager& core, const
   return py::cast(core.layer->forward_frozen(x.cast<at::Tensor>(), tensor_or_undefined(py::getattr(module, "bias", py::none()))));
 }
 
+// The layer's `name` Parameter (None when absent) read from its `_parameters` dict: nn.Module's
+// __getattr__ is Python code, a dict lookup is not (about a microsecond less per read, on every call).
+// Assigning a Parameter or None to the attribute goes into that dict, so it is the one to read; anything
+// else (an attribute outside it) is read the slow way.
+py::object param_of(const py::object& module, const char* name) {
+  PyObject* dict = PyObject_GenericGetAttr(module.ptr(), py::str("__dict__").ptr());
+  if (dict != nullptr) {
+    py::object d = py::reinterpret_steal<py::object>(dict);
+    PyObject* params = PyDict_GetItemString(d.ptr(), "_parameters");  // borrowed
+    if (params != nullptr && PyDict_Check(params)) {
+      if (PyObject* p = PyDict_GetItemString(params, name)) return py::reinterpret_borrow<py::object>(p);
+    }
+  } else {
+    PyErr_Clear();
+  }
+  return py::getattr(module, name, py::none());
+}
+
 py::cpp_function make_forward(const py::object& module, const py::object& manager_obj,
                               c10::intrusive_ptr<StreamedLayer> layer, std::shared_ptr<DeviceState> state,
                               std::string path, bool conv) {
@@ -382,8 +400,8 @@ py::cpp_function make_forward(const py::object& module, const py::object& manage
     if (path == "ostris") return ostris_forward(module, mgr.cast<LayerManager&>(), mgr.attr("_original_forward"), x, state);
     if (path == "generic") return generic_forward(module, x, conv, state);
     if (path == "quantized") return quantized_forward(module, mgr.cast<LayerManager&>(), x, conv, state);
-    const at::Tensor weight = module.attr("weight").cast<at::Tensor>();
-    const at::Tensor bias = tensor_or_undefined(py::getattr(module, "bias", py::none()));
+    const at::Tensor weight = param_of(module, "weight").cast<at::Tensor>();
+    const at::Tensor bias = tensor_or_undefined(param_of(module, "bias"));
     return py::cast(layer->forward(x.cast<at::Tensor>(), weight, bias));
   });
 }
