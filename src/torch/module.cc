@@ -338,29 +338,6 @@ void pack_quantized(const py::object& module, LayerManager& core) {
 
 // Per call on the quantized path: a weight that takes a gradient goes through the library (generic
 // path: its autograd is right); a replaced weight, swapped codes or a replaced bias are packed again.
-py::object quantized_forward(const py::object& module, LayerManager& core, const py::object& x, bool conv,
-                             const std::shared_ptr<DeviceState>& state) {
-  py::object w = module.attr("weight");
-  if (at::GradMode::is_enabled() && w.cast<at::Tensor>().requires_grad()) {
-    log_once("quantized-trainable", LogLevel::kInfo,
-             "a quantized weight that requires grad runs through its library's own dequantize (no fast path); "
-             "freeze the base model (requires_grad_(False)) to stream it as stored");
-    return generic_forward(module, x, conv, state);
-  }
-  const at::Tensor bias = tensor_or_undefined(py::getattr(module, "bias", py::none()));
-  bool current = w.is(core.quant_weight) && py::hasattr(w, core.codes_attr.c_str());
-  if (current) current = core.layer->is_current(w.attr(core.codes_attr.c_str()).cast<at::Tensor>(), bias);
-  if (!current) {
-    if (!quant_source_of(w).has_value()) {
-      throw py::value_error("layerstream: this layer's weight was replaced by one it cannot stream (" +
-                            py::str(py::type::of(w)).cast<std::string>() +
-                            "); detach the layer (MemoryManager.detach) before replacing its weight with another kind");
-    }
-    pack_quantized(module, core);
-  }
-  return py::cast(core.layer->forward_frozen(x.cast<at::Tensor>(), tensor_or_undefined(py::getattr(module, "bias", py::none()))));
-}
-
 // The layer's `name` Parameter (None when absent) read from its `_parameters` dict: nn.Module's
 // __getattr__ is Python code, a dict lookup is not (about a microsecond less per read, on every call).
 // Assigning a Parameter or None to the attribute goes into that dict, so it is the one to read; anything
@@ -377,6 +354,29 @@ py::object param_of(const py::object& module, const char* name) {
     PyErr_Clear();
   }
   return py::getattr(module, name, py::none());
+}
+
+py::object quantized_forward(const py::object& module, LayerManager& core, const py::object& x, bool conv,
+                             const std::shared_ptr<DeviceState>& state) {
+  py::object w = param_of(module, "weight");
+  if (at::GradMode::is_enabled() && w.cast<at::Tensor>().requires_grad()) {
+    log_once("quantized-trainable", LogLevel::kInfo,
+             "a quantized weight that requires grad runs through its library's own dequantize (no fast path); "
+             "freeze the base model (requires_grad_(False)) to stream it as stored");
+    return generic_forward(module, x, conv, state);
+  }
+  const at::Tensor bias = tensor_or_undefined(param_of(module, "bias"));
+  bool current = w.is(core.quant_weight) && py::hasattr(w, core.codes_attr.c_str());
+  if (current) current = core.layer->is_current(w.attr(core.codes_attr.c_str()).cast<at::Tensor>(), bias);
+  if (!current) {
+    if (!quant_source_of(w).has_value()) {
+      throw py::value_error("layerstream: this layer's weight was replaced by one it cannot stream (" +
+                            py::str(py::type::of(w)).cast<std::string>() +
+                            "); detach the layer (MemoryManager.detach) before replacing its weight with another kind");
+    }
+    pack_quantized(module, core);
+  }
+  return py::cast(core.layer->forward_frozen(x.cast<at::Tensor>(), tensor_or_undefined(param_of(module, "bias"))));
 }
 
 py::cpp_function make_forward(const py::object& module, const py::object& manager_obj,
