@@ -15,7 +15,8 @@
 #   ddp    (nvidia-h200-x2) two-rank DDP LoRA on the FLUX.1 shapes: shared host copy vs private vs one rank,
 #          plus the two-process pytest of the shared copy on NCCL
 #   perf   FLUX.1-shaped: resident vs streamed bf16, streamed with float8 host storage, and stock vs
-#          layerstream under a 24 GiB cap with that cap as layerstream's VRAM budget
+#          layerstream under a 24 GiB cap with that cap as layerstream's VRAM budget; with
+#          LAYERSTREAM_PERF_RINGS="1024 1536" also the bf16 streamed run with those ring sizes (MiB)
 # One lent-machine call has 10 minutes: `core`, `py,quant`, `san` and `bench` each fit one call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -209,7 +210,14 @@ if want perf && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   step "under a 24 GiB cap: stock (100% offloaded) and layerstream with LAYERSTREAM_VRAM_BUDGET=24GiB"
   run perf_cap env LAYERSTREAM_VRAM_BUDGET=24GiB python3 benchmarks/flux_bench.py --preset flux1 \
     --mode stock,layerstream --vram-cap-gb 24 --aitk-dir "$AITK" --md-out "$OUT/perf_cap.md" --json-out "$OUT/perf_cap.json"
-  for f in perf_bf16 perf_fp8 perf_cap; do grep -E "^\| (resident|stock|layerstream)" "$OUT/$f.md" 2>/dev/null | sed "s/^/      $f /" >>"$OUT/summary.txt"; done
+  # Optional: the bf16 streamed run again with larger rings (deeper prefetch; a double-stream block whole).
+  for ring in ${LAYERSTREAM_PERF_RINGS:-}; do
+    run "perf_ring$ring" env LAYERSTREAM_RING_MB="$ring" python3 benchmarks/flux_bench.py --preset flux1 \
+      --mode layerstream --aitk-dir "$AITK" --md-out "$OUT/perf_ring$ring.md" --json-out "$OUT/perf_ring$ring.json"
+  done
+  for f in perf_bf16 perf_fp8 perf_cap $(for r in ${LAYERSTREAM_PERF_RINGS:-}; do echo "perf_ring$r"; done); do
+    grep -E "^\| (resident|stock|layerstream)" "$OUT/$f.md" 2>/dev/null | sed "s/^/      $f /" >>"$OUT/summary.txt"
+  done
 fi
 
 if want perf2 && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
