@@ -476,3 +476,48 @@ def test_vram_budget_keeps_what_fits_after_the_first_step_and_changes_no_result(
     else:
         assert 0 < stats["resident_bytes"] <= stats["vram_budget_room"] <= 8 << 20
         assert 0 < per_step[-1] < per_step[0] - stats["resident_bytes"]
+
+
+@pytest.mark.parametrize("budget", [None, "8MiB"])
+def test_a_resolution_change_mid_run_and_inference_passes_change_no_result(engine, device, monkeypatch, budget):
+    """Training at one sequence length, then a longer one, then the first again, with no-grad inference
+    passes in between: the order of layer uses is the same, activations are not. Prefetch keeps predicting
+    (and hitting) across the changes, the VRAM budget plans once, and every loss is the resident run's."""
+    if engine == "cpu":
+        pytest.skip("the CPU mode has no engine to prefetch with")
+    if engine == "cuda" and budget is not None:
+        pytest.skip("a fixed budget depends on what the process already holds on a real GPU")
+    for key in list(mm._DEVICE_STATE):
+        del mm._DEVICE_STATE[key]
+    monkeypatch.setenv("LAYERSTREAM_RING_MB", "4")
+    if budget:
+        monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", budget)
+    torch.manual_seed(13)
+    base = TinyTransformer(d=256, ff=512, layers=4, checkpointing="non_reentrant").requires_grad_(False)
+    models = {"resident": copy.deepcopy(base).to(device), "managed": copy.deepcopy(base)}
+    ContractManager.attach(mm, models["managed"], device).to_device()
+    losses = {}
+    hits = []
+    for name, model in models.items():
+        loras = [lo.to(device) for lo in apply_lora(model)]
+        opt = torch.optim.AdamW([p for lo in loras for p in lo.parameters()], lr=1e-2)
+        g = torch.Generator().manual_seed(14)
+        losses[name] = []
+        for tokens in (6, 6, 6, 20, 20, 20, 6, 6):
+            x = torch.randn(2, tokens, 256, generator=g).to(device)
+            opt.zero_grad(set_to_none=True)
+            loss = model(x).float().pow(2).mean()
+            loss.backward()
+            mm.sync_grad_transfers()
+            opt.step()
+            losses[name].append(loss.item())
+            with torch.no_grad():  # an inference pass (a sample) between steps
+                losses[name].append(model(torch.randn(1, tokens + 3, 256, generator=g).to(device)).float().sum().item())
+            if name == "managed":
+                hits.append(mm._DEVICE_STATE[device].stats()["prefetch_hits"])
+    assert losses["managed"] == losses["resident"]
+    stats = mm._DEVICE_STATE[device].stats()
+    if budget:
+        assert stats["vram_budget_planned"] == 1
+    # Prefetches keep landing after each change of length (steps 4-6 and 7-8 add hits).
+    assert hits[5] > hits[3] and hits[7] > hits[6]
