@@ -9,7 +9,8 @@
 #   san    the pytest equality suite under memcheck, synccheck and racecheck (side by side)
 #   quant  the dequantization kernel: its core test (plain and memcheck) and its bandwidth
 #   bench  reliability figures, per-call overhead, the FLUX.1-shaped side by side (see below)
-#   quick  the quantized path's device tests, the ring-OOM test and the kernel's bandwidth (a short call)
+#   quick  the quantized path's device tests, the ring-OOM test, the kernel's bandwidth, the racecheck
+#          control and AI-Toolkit's real manager on CUDA (a short call, about 3 minutes)
 #   perf2  FLUX.2-shaped (32B) under a 24 GiB cap: stock vs layerstream (budget), and layerstream with float8
 #          host storage; the all-resident reference uncapped (a call of its own: about 9 minutes)
 #   ddp    (nvidia-h200-x2) two-rank DDP LoRA on the FLUX.1 shapes: shared host copy vs private vs one rank,
@@ -196,6 +197,11 @@ if want quick; then
     -k "cuda and exhausted" '"$PWD"'/tests/python/test_reliability.py'
   run dequant_bench python3 benchmarks/dequant_bench.py --peak-gbs 4800 --json-out "$OUT/dequant_bench.json"
   grep -A 13 "^kind" "$OUT/all.log" | tail -n 13 | sed 's/^/      /' >>"$OUT/summary.txt"
+  # racecheck on plain torch (no layerstream): the hazards cuDNN's kernels report by themselves.
+  run racecheck_control compute-sanitizer --tool racecheck python3 benchmarks/racecheck_control.py
+  grep -E "RACECHECK SUMMARY" "$OUT/all.log" | tail -n 1 | sed 's/^/      control: /' >>"$OUT/summary.txt"
+  run pytest_aitk_real bash -c 'cd /tmp && python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -k cuda \
+    '"$PWD"'/tests/python/test_aitk_real.py'
 fi
 
 if want perf && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
