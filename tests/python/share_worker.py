@@ -2,7 +2,8 @@
 attaches a TinyTransformer (the same weights on every rank unless told otherwise), trains its LoRA under
 DistributedDataParallel on its share of a global batch, and writes what it saw as JSON.
 
-    python share_worker.py RANK WORLD INIT_FILE OUT_JSON BACKEND(cpu|sim|cuda) [--other-weights] [--steps N]
+    python share_worker.py RANK WORLD INIT_FILE OUT_JSON BACKEND(cpu|sim|cuda) [--other-weights] [--quantized]
+                           [--steps N]
 
 cuda: rank r computes on cuda:r with NCCL (NCCL_NVLS_ENABLE=0: no NVLink multicast).
 """
@@ -53,6 +54,12 @@ def main() -> int:
 
     torch.manual_seed(0)
     model = TinyTransformer(checkpointing="non_reentrant").requires_grad_(False)
+    if "--quantized" in sys.argv:  # optimum-quanto qfloat8 weights: their codes and scales are shared
+        import optimum.quanto as quanto
+
+        quanto.quantize(model, weights=quanto.qfloat8)
+        quanto.freeze(model)
+        model.requires_grad_(False)
     if "--other-weights" in sys.argv and rank == 1:
         with torch.no_grad():
             model.blocks[1].up.weight.add_(1.0)

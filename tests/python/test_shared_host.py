@@ -82,6 +82,18 @@ def test_two_ranks_share_one_host_copy_and_train_like_one_process(tmp_path, back
         torch.testing.assert_close(torch.tensor(got), want, **tol)
 
 
+def test_quantized_weights_are_shared_as_stored(tmp_path):
+    pytest.importorskip("optimum.quanto", reason="optimum-quanto is not installed")
+    before = _ls_segments()
+    leader, follower = _run_ranks(tmp_path, "sim", "--quantized")
+    assert leader["host_shared_blocks"] == follower["host_shared_blocks"] == 18
+    # what is shared is what was packed: the codes at one byte a weight, the scales and the biases
+    assert leader["host_shared_bytes"] == follower["host_shared_bytes"] == leader["packed"]
+    assert follower["arena_bytes"] == 0
+    assert leader["lora"] == follower["lora"]
+    assert _ls_segments() == before
+
+
 def test_a_rank_with_other_weights_is_refused_with_the_remedy(tmp_path):
     before = _ls_segments()
     leader, follower = _run_ranks(tmp_path, "sim", "--other-weights")
