@@ -14,6 +14,7 @@
 
 #include <cstdio>
 #include <cctype>
+#include <chrono>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -511,6 +512,7 @@ py::dict stats_dict(const StateStats& s) {
   d["resident_bytes"] = s.engine.resident_bytes;
   d["vram_budget_planned"] = static_cast<std::uint64_t>(s.vram_budget_planned);
   d["vram_budget_room"] = s.vram_budget_room;
+  d["device_bytes"] = s.engine.ring_capacity + s.engine.resident_bytes;  // what layerstream holds on the device
   return d;
 }
 
@@ -646,20 +648,30 @@ void route_log_to_python() {
 void log_step_telemetry() {
   static std::uint64_t steps = 0;
   static py::dict* last = nullptr;
+  static auto last_time = std::chrono::steady_clock::now();
   const char* every_env = std::getenv("LAYERSTREAM_LOG_EVERY");
   const std::uint64_t every = every_env ? std::strtoull(every_env, nullptr, 10) : 100;
   if (every == 0 || ++steps % every != 0) return;
   py::dict now = stats();
+  const auto now_time = std::chrono::steady_clock::now();
+  const double seconds = std::chrono::duration<double>(now_time - last_time).count();
   if (last == nullptr) last = new py::dict(stats_dict(StateStats{}));
   auto delta = [&](const char* key) {
     return (now[key].cast<double>() - (*last)[key].cast<double>()) / static_cast<double>(every);
   };
+  // Bytes over the wall-clock time of the interval: what the step achieved on the bus, overlap included
+  // (not the bus's own rate, which `layerstream doctor` measures).
+  const double gb_per_s = seconds > 0 ? delta("bytes_h2d") * static_cast<double>(every) / seconds / 1e9 : 0.0;
   log(LogLevel::kInfo,
-      layerstream::detail::concat("layerstream, per step over the last ", every, " steps: ", delta("fetches"), " layer calls, ",
-                     delta("copies_h2d"), " copies (", delta("bytes_h2d") / 1e9, " GB), ", delta("reuse_hits"),
+      layerstream::detail::concat("layerstream, per step over the last ", every, " steps (", seconds / every,
+                     " s/step): ", delta("fetches"), " layer calls, ", delta("copies_h2d"), " copies (",
+                     delta("bytes_h2d") / 1e9, " GB, ", gb_per_s, " GB/s over the steps), ", delta("reuse_hits"),
                      " served from the ring, ", delta("prefetch_hits"), " prefetch hits, ", delta("resident_hits"),
-                     " resident; pinned ", now["pinned_bytes"].cast<double>() / 1e9, " GB"));
+                     " resident, ", delta("bytes_d2h") / 1e9, " GB of gradients back; pinned ",
+                     now["pinned_bytes"].cast<double>() / 1e9, " GB, device ",
+                     now["device_bytes"].cast<double>() / 1e9, " GB (ring + resident)"));
   *last = now;
+  last_time = now_time;
 }
 
 void check_torch_version() {

@@ -410,8 +410,11 @@ def test_step_telemetry_reaches_python_logging(engine, device, monkeypatch, capl
             mm.sync_grad_transfers()
     lines = [r.getMessage() for r in caplog.records if "per step over the last 2 steps" in r.getMessage()]
     assert len(lines) == 2
+    assert "GB/s over the steps" in lines[-1] and "(ring + resident)" in lines[-1]
     if engine != "cpu":  # the CPU mode computes directly: no engine, nothing to count
         assert "1 layer calls" in lines[-1]
+    stats = mm.stats()
+    assert stats["device_bytes"] == stats["ring_bytes"] + stats["resident_bytes"]
 
 
 # ---- VRAM budget ------------------------------------------------------------------------------------
