@@ -249,7 +249,8 @@ fi
 if want ddp; then
   installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
   step "two ranks on one host (needs 2 GPUs)"
-  run pytest_shared_host bash -c 'cd /tmp && python3 -m pytest -q -rfE --tb=short -p no:cacheprovider '"$PWD"'/tests/python/test_shared_host.py'
+  run pytest_two_gpus bash -c 'cd /tmp && python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
+    '"$PWD"'/tests/python/test_shared_host.py '"$PWD"'/tests/python/test_multi_device.py'
   run ddp_bench python3 benchmarks/ddp_bench.py --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --world 2 \
     --json-out "$OUT/ddp_bench.json" --md-out "$OUT/ddp_bench.md"
   grep -E "^\| (share|private|single)" "$OUT/ddp_bench.md" 2>/dev/null | sed "s/^/      /" >>"$OUT/summary.txt"

@@ -79,3 +79,30 @@ def test_freeing_one_device_leaves_the_other_training(two_sim_devices):
     gc.collect()
     assert mm.live_device_states() == 1
     assert train_lora(keep, apply_lora(keep), torch.device("cpu"), 4, mm.sync_grad_transfers) == ref
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason=f"needs two GPUs (this machine has {torch.cuda.device_count()})")
+def test_a_model_on_the_second_gpu_is_exact_while_the_first_is_current(monkeypatch):
+    """AI-Toolkit once used device 0's stream for a model on cuda:1, with nothing ordering its copies
+    against compute. Here cuda:0 stays the current device while a model trains on cuda:1: every stream,
+    event and ring is cuda:1's, and the result is bitwise the resident model's on cuda:1."""
+    for key in list(mm._DEVICE_STATE):
+        del mm._DEVICE_STATE[key]
+    monkeypatch.setenv("LAYERSTREAM_RING_MB", "1")  # layers come and go
+    torch.cuda.set_device(0)
+    dev1 = torch.device("cuda", 1)
+    torch.manual_seed(43)
+    base = TinyTransformer(d=128, ff=256, layers=2, checkpointing="non_reentrant").requires_grad_(False)
+    resident = copy.deepcopy(base).to(dev1)
+    ref = train_lora(resident, [lo.to(dev1) for lo in apply_lora(resident)], dev1, 4)
+    model = copy.deepcopy(base)
+    ContractManager.attach(mm, model, dev1).to_device()
+    assert torch.cuda.current_device() == 0
+    assert train_lora(model, [lo.to(dev1) for lo in apply_lora(model)], dev1, 4, mm.sync_grad_transfers) == ref
+    assert torch.cuda.current_device() == 0  # nothing switched the caller's device behind its back
+    assert [str(k) for k in mm._DEVICE_STATE] == ["cuda:1"]
+    stats = mm._DEVICE_STATE[dev1].stats()
+    assert stats["fetches"] > 0 and stats["copies_h2d"] > 0
+    for key in list(mm._DEVICE_STATE):
+        del mm._DEVICE_STATE[key]
