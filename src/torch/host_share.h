@@ -10,7 +10,7 @@
 // segment the host refuses (a small /dev/shm) falls back to a copy of each rank's own, said once.
 //
 // Settings: LAYERSTREAM_SHARE_HOST=auto (default: on when LOCAL_WORLD_SIZE > 1 and the ranks can agree on
-// a name: torch.distributed initialized, or LAYERSTREAM_SHARE_TOKEN set) | 0 (off);
+// a name: torchrun's environment, LAYERSTREAM_SHARE_TOKEN, or torch.distributed initialized) | 0 (off);
 // LAYERSTREAM_SHARE_TIMEOUT_S (default 600): how long a rank waits for the leader's copy of a block.
 // Thread-safety: next() is guarded; the config is resolved once per process.
 #pragma once

@@ -14,6 +14,10 @@
 
 #include <cstdio>
 #include <cctype>
+#include <functional>
+#ifndef _WIN32
+#include <unistd.h>
+#endif
 #include <chrono>
 #include <cstdlib>
 #include <optional>
@@ -591,11 +595,21 @@ std::optional<ShareConfig> resolve_share() {
     config.timeout_s = std::atof(t);
     LS_CHECK_ARG(config.timeout_s > 0, "LAYERSTREAM_SHARE_TIMEOUT_S must be a positive number of seconds, not ", t);
   }
+  const char* run_id = std::getenv("TORCHELASTIC_RUN_ID");
   if (const char* token = std::getenv("LAYERSTREAM_SHARE_TOKEN"); token != nullptr && *token != '\0') {
     config.token = token;
+  } else if (run_id != nullptr && *run_id != '\0') {
+    // torchrun (and accelerate, which uses it) starts the local ranks from one agent process, with the
+    // same run id and master port: the name follows from those without any collective call, so a rank
+    // that attaches alone (or late) never blocks the others.
+    const char* port = std::getenv("MASTER_PORT");
+    const std::string key = std::string(run_id) + "/" + (port ? port : "") + "/" + std::to_string(::getppid());
+    char hex[17];
+    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(std::hash<std::string>{}(key)));
+    config.token = hex;
   } else {
-    // The ranks agree on a fresh name through torch.distributed (global rank 0 draws it): segments of an
-    // earlier or a concurrent job never collide with this one's.
+    // Other launchers: the ranks agree on a fresh name through torch.distributed (global rank 0 draws it;
+    // a collective call, so every rank must attach): segments of another job never collide with this one's.
     py::gil_scoped_acquire gil;
     py::module_ dist = py::module_::import("torch.distributed");
     if (!dist.attr("is_available")().cast<bool>() || !dist.attr("is_initialized")().cast<bool>()) {

@@ -103,6 +103,15 @@ def test_a_rank_with_other_weights_is_refused_with_the_remedy(tmp_path):
     assert _ls_segments() == before
 
 
+def test_torchrun_ranks_agree_on_the_name_without_a_collective_call(tmp_path):
+    """Under torchrun (TORCHELASTIC_RUN_ID, MASTER_PORT, one parent) the name comes from the environment."""
+    before = _ls_segments()
+    leader, follower = _run_ranks(tmp_path, "sim", env={"TORCHELASTIC_RUN_ID": "test-run", "MASTER_PORT": "29999"})
+    assert leader["host_shared_blocks"] == follower["host_shared_blocks"] == 18
+    assert follower["arena_bytes"] == 0 and leader["lora"] == follower["lora"]
+    assert _ls_segments() == before
+
+
 def test_share_host_off_gives_each_rank_its_own_copy(tmp_path):
     leader, follower = _run_ranks(tmp_path, "sim", env={"LAYERSTREAM_SHARE_HOST": "0"}, )
     for r in (leader, follower):
