@@ -20,7 +20,7 @@ from layerstream import manager_modules as mm
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from models import TinyTransformer  # noqa: E402
-from share_common import GLOBAL_BATCH, LoRANet, batch  # noqa: E402
+from share_common import LoRANet, batch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shared memory (/dev/shm)")
 
