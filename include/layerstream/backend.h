@@ -61,6 +61,10 @@ class Backend {
   virtual void event_record(EventHandle event, StreamHandle stream) = 0;
   virtual bool event_query(EventHandle event) = 0;
   virtual void event_synchronize(EventHandle event) = 0;
+  // Events that also keep the time they completed at (cudaEventDefault; the others have timing off, which
+  // makes them cheaper), and the milliseconds between two completed ones.
+  virtual EventHandle event_create_timed() = 0;
+  virtual double event_elapsed_ms(EventHandle start, EventHandle end) = 0;
 
   // Page-locked host memory. Returns nullptr when the platform refuses (not an error: callers fall back).
   virtual void* host_alloc_pinned(std::size_t bytes) = 0;
@@ -130,7 +134,8 @@ class Stream {
 class Event {
  public:
   Event() = default;
-  explicit Event(Backend& backend) : backend_(&backend), handle_(backend.event_create()) {}
+  explicit Event(Backend& backend, bool timed = false)
+      : backend_(&backend), handle_(timed ? backend.event_create_timed() : backend.event_create()) {}
   ~Event() { reset(); }
   Event(Event&& other) noexcept { *this = std::move(other); }
   Event& operator=(Event&& other) noexcept {

@@ -72,6 +72,8 @@ class SimBackend final : public Backend {
   void* host_alloc_pinned(std::size_t bytes) override;
   void host_free_pinned(void* ptr) noexcept override;
   bool host_register(void* ptr, std::size_t bytes, bool read_only = false) override;
+  EventHandle event_create_timed() override;
+  double event_elapsed_ms(EventHandle start, EventHandle end) override;
   void host_unregister(void* ptr) noexcept override;
 
   void* device_alloc(std::size_t bytes) override;

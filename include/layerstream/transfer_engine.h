@@ -30,6 +30,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -53,6 +54,9 @@ struct EngineOptions {
   // Where the ring's device memory comes from. Empty: the backend (cudaMalloc). The torch glue passes
   // PyTorch's caching allocator, so the ring counts in torch.cuda.memory_allocated() and its limits.
   DeviceAllocator ring_allocator;
+  // Measure how long consumers wait for copies: wait_ready() brackets its stream wait with two timed
+  // events on the consumer stream (two event records more per fetch); wait_ready_host() times itself.
+  bool time_waits = false;
 };
 
 struct Lease {
@@ -79,6 +83,10 @@ struct EngineStats {
   std::uint64_t bounce_chunks = 0;  // pieces staged through bounce buffers (pageable layers)
   std::uint64_t downloads = 0;
   std::uint64_t bytes_d2h = 0;
+  // EngineOptions::time_waits: time the consumers spent waiting for copies (microseconds, summed over the
+  // waits measured so far), and how many waits that covers.
+  std::uint64_t copy_wait_us = 0;
+  std::uint64_t copy_waits_timed = 0;
   // Adds the cumulative counters above (not the gauges below) of `other`, e.g. of a retired engine.
   void add_counters(const EngineStats& other);
 
@@ -190,6 +198,10 @@ class TransferEngine {
   std::uint64_t next_ticket_ = 1;
   std::unordered_map<std::uint64_t, Outstanding> leases_;
   std::unordered_map<std::uint64_t, Event> downloads_;
+  // time_waits: brackets of the consumer-stream waits not yet read, oldest first; spare timed events.
+  std::deque<std::pair<Event, Event>> timed_waits_;
+  std::vector<Event> timed_spare_;
+  void harvest_timed_waits_locked(bool all);
   EngineStats stats_;
 };
 

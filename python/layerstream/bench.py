@@ -558,6 +558,9 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
 
     if mode == "layerstream" and args.host_dtype:
         os.environ["LAYERSTREAM_HOST_DTYPE"] = args.host_dtype  # read when the layers are packed
+    if mode == "layerstream":
+        # How long compute waits for copies (two event records per fetch: well under 1% of a step).
+        os.environ.setdefault("LAYERSTREAM_TIME_WAITS", "1")
     t0 = time.perf_counter()
     if package is None:
         model.to(device)
@@ -646,6 +649,8 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
             row["pinned_bytes"] = stats.get("pinned_bytes")
             if stats_at_start is not None and "bytes_h2d" in stats:
                 row["bytes_per_step"] = (stats["bytes_h2d"] - stats_at_start["bytes_h2d"]) / len(times)
+            if stats_at_start is not None and stats.get("copy_waits_timed"):
+                row["copy_wait_ms_per_step"] = (stats["copy_wait_us"] - stats_at_start["copy_wait_us"]) / 1e3 / len(times)
     return row
 
 
@@ -677,12 +682,12 @@ def _fmt(value, scale: float = 1.0, digits: int = 2) -> str:
 def markdown_table(rows: list[dict]) -> str:
     lines = [
         "| mode | s/step mean (min) | peak VRAM GiB alloc / reserved | peak RSS GiB | pinned GiB (exact) "
-        "| GiB/step over bus | floor s | x floor | J/step | first loss |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| GiB/step over bus | floor s | x floor | J/step | compute waited for copies ms/step | first loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['mode']} | {r['status']}: {r['reason']} | | | | | | | | |")
+            lines.append(f"| {r['mode']} | {r['status']}: {r['reason']} | | | | | | | | | |")
             continue
         exact = "" if r["pinned_bytes_exact"] is None else f" ({_fmt(r['pinned_bytes_exact'], GiB)})"
         lines.append(
@@ -690,7 +695,8 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {_fmt(r['peak_vram_allocated_bytes'], GiB)} / {_fmt(r['peak_vram_reserved_bytes'], GiB)} "
             f"| {_fmt(r['peak_rss_bytes'], GiB)} | {_fmt(r['pinned_bytes'], GiB)}{exact} "
             f"| {_fmt(r['bytes_per_step'], GiB)} | {_fmt(r['floor_s'], digits=3)} "
-            f"| {_fmt(r['ratio_to_floor'])} | {_fmt(r.get('joules_per_step'), digits=0)} | {r['losses'][0]:.6g} |"
+            f"| {_fmt(r['ratio_to_floor'])} | {_fmt(r.get('joules_per_step'), digits=0)} "
+            f"| {_fmt(r.get('copy_wait_ms_per_step'), digits=1)} | {r['losses'][0]:.6g} |"
         )
     return "\n".join(lines)
 

@@ -104,6 +104,17 @@ class CudaBackend final : public Backend {
     LS_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     return EventHandle{e};
   }
+  EventHandle event_create_timed() override {
+    DeviceGuard guard(device_);
+    cudaEvent_t e = nullptr;
+    LS_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDefault));
+    return EventHandle{e};
+  }
+  double event_elapsed_ms(EventHandle start, EventHandle end) override {
+    float ms = 0.0f;
+    LS_CUDA_CHECK(cudaEventElapsedTime(&ms, as_event(start), as_event(end)));
+    return ms;
+  }
   void event_destroy(EventHandle event) noexcept override {
     if (!event) return;
     warn_on_error(cudaEventDestroy(static_cast<cudaEvent_t>(event.raw)), "cudaEventDestroy");

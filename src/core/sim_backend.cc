@@ -32,6 +32,7 @@ constexpr std::size_t kAlignment = 256;
 struct Completion {
   bool done = false;
   sim::VectorClock clock;  // the recording stream's clock at the record
+  std::chrono::steady_clock::time_point at;  // when the stream reached it (host time)
 };
 
 struct SimEvent {
@@ -292,8 +293,21 @@ void SimBackend::event_record(EventHandle event, StreamHandle stream) {
   impl_->enqueue(*s, [this, c] {
     std::lock_guard<std::mutex> l(impl_->mu);
     c->done = true;
+    c->at = std::chrono::steady_clock::now();
     impl_->cv.notify_all();
   });
+}
+
+// Every simulated event keeps its completion time; "timed" ones are the same.
+EventHandle SimBackend::event_create_timed() { return event_create(); }
+
+double SimBackend::event_elapsed_ms(EventHandle start, EventHandle end) {
+  SimEvent* a = Impl::as_event(start);
+  SimEvent* b = Impl::as_event(end);
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  LS_CHECK_ARG(a->current && b->current && a->current->done && b->current->done,
+               "event_elapsed_ms: both events must have completed");
+  return std::chrono::duration<double, std::milli>(b->current->at - a->current->at).count();
 }
 
 bool SimBackend::event_query(EventHandle event) {

@@ -1,5 +1,7 @@
 #include "layerstream/transfer_engine.h"
 
+#include <chrono>
+
 #include <algorithm>
 #include <cstring>
 
@@ -20,6 +22,8 @@ void EngineStats::add_counters(const EngineStats& other) {
   bounce_chunks += other.bounce_chunks;
   downloads += other.downloads;
   bytes_d2h += other.bytes_d2h;
+  copy_wait_us += other.copy_wait_us;
+  copy_waits_timed += other.copy_waits_timed;
 }
 
 TransferEngine::TransferEngine(Backend& backend, EngineOptions options)
@@ -43,6 +47,7 @@ TransferEngine::~TransferEngine() {
     for (auto& [id, layer] : layers_) {
       layer.resident_released.synchronize();
     }
+    timed_waits_.clear();  // events of a consumer stream: destroying a pending one is allowed
   } catch (...) {
     // A failing device at teardown: the frees below synchronize implicitly on CUDA anyway.
   }
@@ -311,14 +316,56 @@ void TransferEngine::wait_ready(const Lease& lease, StreamHandle consumer) {
   std::lock_guard<std::mutex> lock(mu_);
   LS_CHECK_ARG(leases_.count(lease.ticket) != 0, "wait_ready: lease ", lease.ticket, " of layer ",
                lease.layer, " is not outstanding (already released, or never fetched)");
+  if (!options_.time_waits) {
+    backend_.stream_wait_event(consumer, lease.ready);
+    return;
+  }
+  // The consumer stream reaches `before`, waits for the copy, then reaches `after`: the time between the
+  // two is how long it waited (zero when the copy had landed). Read later, once `after` is done.
+  harvest_timed_waits_locked(false);
+  auto take = [&] {
+    if (timed_spare_.empty()) return Event(backend_, /*timed=*/true);
+    Event e = std::move(timed_spare_.back());
+    timed_spare_.pop_back();
+    return e;
+  };
+  Event before = take(), after = take();
+  before.record(consumer);
   backend_.stream_wait_event(consumer, lease.ready);
+  after.record(consumer);
+  timed_waits_.emplace_back(std::move(before), std::move(after));
+}
+
+void TransferEngine::harvest_timed_waits_locked(bool all) {
+  while (!timed_waits_.empty()) {
+    auto& [before, after] = timed_waits_.front();
+    if (all) {
+      after.synchronize();
+    } else if (!after.query()) {
+      break;  // the rest were recorded later on the same stream(s): not done either, most likely
+    }
+    const double ms = backend_.event_elapsed_ms(before.get(), after.get());
+    stats_.copy_wait_us += static_cast<std::uint64_t>(ms * 1000.0 + 0.5);
+    ++stats_.copy_waits_timed;
+    timed_spare_.push_back(std::move(before));
+    timed_spare_.push_back(std::move(after));
+    timed_waits_.pop_front();
+  }
 }
 
 void TransferEngine::wait_ready_host(const Lease& lease) {
   std::lock_guard<std::mutex> lock(mu_);
   LS_CHECK_ARG(leases_.count(lease.ticket) != 0, "wait_ready_host: lease ", lease.ticket, " of layer ",
                lease.layer, " is not outstanding (already released, or never fetched)");
+  if (!options_.time_waits) {
+    backend_.event_synchronize(lease.ready);
+    return;
+  }
+  const auto start = std::chrono::steady_clock::now();
   backend_.event_synchronize(lease.ready);
+  stats_.copy_wait_us += static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - start).count());
+  ++stats_.copy_waits_timed;
 }
 
 void* TransferEngine::device_data(const Lease& lease) const {
@@ -385,6 +432,7 @@ void TransferEngine::sync_downloads() {
 
 EngineStats TransferEngine::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
+  const_cast<TransferEngine*>(this)->harvest_timed_waits_locked(false);  // counters only; no waiting
   EngineStats s = stats_;
   s.layers = layers_.size();
   s.leases_outstanding = leases_.size();

@@ -189,6 +189,10 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
   }
   EngineOptions options;
   options.ring_bytes = ring_bytes_for(layer_bytes);
+  // LAYERSTREAM_TIME_WAITS=1: measure how long compute waits for copies (stats: copy_wait_us).
+  if (const char* t = std::getenv("LAYERSTREAM_TIME_WAITS"); t != nullptr && std::string(t) == "1") {
+    options.time_waits = true;
+  }
 #ifdef LAYERSTREAM_TORCH_CUDA
   if (mode_ == Mode::kCuda) {
     // Ring memory from torch's caching allocator: it then counts in torch.cuda.memory_allocated() and

@@ -517,6 +517,8 @@ py::dict stats_dict(const StateStats& s) {
   d["vram_budget_planned"] = static_cast<std::uint64_t>(s.vram_budget_planned);
   d["vram_budget_room"] = s.vram_budget_room;
   d["device_bytes"] = s.engine.ring_capacity + s.engine.resident_bytes;  // what layerstream holds on the device
+  d["copy_wait_us"] = s.engine.copy_wait_us;  // LAYERSTREAM_TIME_WAITS=1: compute waiting for copies
+  d["copy_waits_timed"] = s.engine.copy_waits_timed;
   return d;
 }
 
@@ -681,7 +683,11 @@ void log_step_telemetry() {
                      " s/step): ", delta("fetches"), " layer calls, ", delta("copies_h2d"), " copies (",
                      delta("bytes_h2d") / 1e9, " GB, ", gb_per_s, " GB/s over the steps), ", delta("reuse_hits"),
                      " served from the ring, ", delta("prefetch_hits"), " prefetch hits, ", delta("resident_hits"),
-                     " resident, ", delta("bytes_d2h") / 1e9, " GB of gradients back; pinned ",
+                     " resident, ", delta("bytes_d2h") / 1e9, " GB of gradients back",
+                     now["copy_waits_timed"].cast<double>() > 0
+                         ? layerstream::detail::concat(", compute waited ", delta("copy_wait_us") / 1e3, " ms for copies")
+                         : std::string(),
+                     "; pinned ",
                      now["pinned_bytes"].cast<double>() / 1e9, " GB, device ",
                      now["device_bytes"].cast<double>() / 1e9, " GB (ring + resident)"));
   *last = now;

@@ -299,5 +299,26 @@ TEST(TransferEngineSim, RemovingEveryLayerReturnsTheHostMemory) {
   EXPECT_EQ(engine.stats().layers, 0u);
 }
 
+TEST_P(TransferEngineTest, TimedWaitsMeasureHowLongTheConsumerWaitedForCopies) {
+  EngineOptions options = small_options(1 << 20);
+  options.time_waits = true;
+  TransferEngine engine(backend(), options);
+  const LayerId id = engine.add_layer(256 << 10);
+  fill(engine, id, 3);
+  // The first use copies (the consumer waits for the bus); the second is served from the ring.
+  EXPECT_EQ(use(engine, id), host_bytes(engine, id));
+  EXPECT_EQ(use(engine, id), host_bytes(engine, id));
+  backend().stream_synchronize(compute_.get());
+  const EngineStats s = engine.stats();
+  EXPECT_EQ(s.copy_waits_timed, 2u);
+  EXPECT_LT(s.copy_wait_us, 10u * 1000 * 1000);  // a sane figure, not garbage
+  // Off (the default): nothing measured.
+  TransferEngine plain(backend(), small_options(1 << 20));
+  const LayerId other = plain.add_layer(4096);
+  fill(plain, other, 4);
+  EXPECT_EQ(use(plain, other), host_bytes(plain, other));
+  EXPECT_EQ(plain.stats().copy_waits_timed, 0u);
+}
+
 }  // namespace
 }  // namespace layerstream::testing

@@ -417,6 +417,30 @@ def test_step_telemetry_reaches_python_logging(engine, device, monkeypatch, capl
     assert stats["device_bytes"] == stats["ring_bytes"] + stats["resident_bytes"]
 
 
+def test_waits_for_copies_are_timed_when_asked(engine, device, monkeypatch, caplog):
+    import logging
+
+    if engine == "cpu":
+        pytest.skip("the CPU mode has no copies to wait for")
+    for key in list(mm._DEVICE_STATE):
+        del mm._DEVICE_STATE[key]
+    monkeypatch.setenv("LAYERSTREAM_TIME_WAITS", "1")
+    monkeypatch.setenv("LAYERSTREAM_LOG_EVERY", "2")
+    layers = [managed_copy(torch.nn.Linear(64, 64), device) for _ in range(4)]
+    with caplog.at_level(logging.INFO, logger="layerstream"):
+        for _ in range(2):
+            x = torch.randn(2, 64, device=device)
+            for layer in layers:
+                x = layer(x)
+            mm.sync_grad_transfers()
+    if engine == "cuda":
+        torch.cuda.synchronize()
+    stats = mm.stats()
+    assert stats["copy_waits_timed"] == stats["fetches"] == 8  # every wait measured
+    assert 0 <= stats["copy_wait_us"] < 10_000_000
+    assert any("compute waited" in r.getMessage() for r in caplog.records)
+
+
 # ---- VRAM budget ------------------------------------------------------------------------------------
 
 def test_vram_budget_setting_is_checked(monkeypatch):
