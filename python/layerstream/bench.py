@@ -618,8 +618,12 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
     if args.timeline_out and device.type == "cuda" and mode != "resident":
         # One more step (not timed) under the profiler: when the bus copied and when the GPU computed.
         out = Path(args.timeline_out)
-        timeline = profile_timeline(one_step, device, out.with_name(f"{out.stem}-{mode}{out.suffix or '.png'}"),
-                                    f"{args.preset} {mode}")
+        try:
+            timeline = profile_timeline(one_step, device, out.with_name(f"{out.stem}-{mode}{out.suffix or '.png'}"),
+                                        f"{args.preset} {mode}")
+        except Exception as exc:  # the profiler is an extra: its failure must not lose the measured row
+            timeline = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"[{mode}] timeline failed: {timeline['error']}", flush=True)
     joules_per_step = ((energy_end - energy_start) / 1e3 / len(times)
                        if energy_start is not None and energy_end is not None else None)
     managed = managed_tensors(model)
