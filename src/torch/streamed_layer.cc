@@ -557,6 +557,10 @@ at::Tensor StreamedLayer::forward(const at::Tensor& x, const at::Tensor& weight,
     }
     return compute_on_host(x, w, bias);
   }
+  // Nothing to differentiate (no_grad, or nothing requires grad): no autograd node to build.
+  const bool graph = at::GradMode::is_enabled() &&
+                     (x.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()));
+  if (!graph) return compute_forward(x);
   const std::optional<at::Tensor> bias_opt = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
   return StreamedFn::apply(x, weight, bias_opt, c10::intrusive_ptr<StreamedLayer>::reclaim_copy(this));
 }
@@ -569,6 +573,9 @@ at::Tensor StreamedLayer::forward_frozen(const at::Tensor& x, const at::Tensor& 
       w = dequantize(host_view(weight_), host_view(quant_->scale), false);
     }
     return compute_on_host(x, w, bias);
+  }
+  if (!at::GradMode::is_enabled() || !(x.requires_grad() || (bias.defined() && bias.requires_grad()))) {
+    return compute_forward(x);
   }
   const std::optional<at::Tensor> bias_opt = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
   return StreamedFn::apply(x, std::nullopt, bias_opt, c10::intrusive_ptr<StreamedLayer>::reclaim_copy(this));
