@@ -114,8 +114,8 @@ class DeviceState {
   void consider_residency(TransferEngine& engine, LayerId layer, std::size_t bytes);
 
   // LAYERSTREAM_VRAM_BUDGET: once the order of layer uses has repeated (the first step is over, so its
-  // peak memory is known), the layers that fit in budget - peak - headroom stay on the device for good,
-  // in order of first use; the rest stream. The view of the device comes from `resolver` on CUDA
+  // peak memory is known), layers within budget - peak - headroom stay on the device for good, spread
+  // evenly over the order of first use (residency_plan.h); the rest stream. The view of the device comes from `resolver` on CUDA
   // (installed by the Python module: it reads torch's allocator), from the backend on the simulator.
   using MemoryResolver = std::function<DeviceMemoryView(DeviceState&, const VramBudget&)>;
   static void set_memory_resolver(MemoryResolver resolver);
