@@ -224,3 +224,72 @@ def test_an_unknown_host_dtype_is_a_value_error_naming_the_choices(engine, devic
         mm.LinearLayerMemoryManager.attach(layer, Manager(device))
     monkeypatch.delenv("LAYERSTREAM_HOST_DTYPE")
     mm.LinearLayerMemoryManager.attach(torch.nn.Linear(8, 8), Manager(device))  # the process goes on
+
+
+def test_fuzz_quantized_and_compressed_layers_under_delays_and_scrambled_copies(engine, device, monkeypatch):
+    """A pool of optimum-quanto layers and float8-compressed plain layers behind a small ring, the
+    simulator delaying every stream and landing copies in random pieces, and a random interleaving of
+    forward-only calls, forward+backward (trainable biases), replaced weights and in-place changes: every
+    output and gradient equals the same math on the host copy, and the race checker sees nothing."""
+    import random
+
+    if engine != "sim":
+        pytest.skip("the fault injector is the simulator's")
+    monkeypatch.setenv("LAYERSTREAM_SIM_FAULTS", "7")
+    monkeypatch.setenv("LAYERSTREAM_RING_MB", "1")
+    monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "float8_e4m3fn")
+    for key in list(mm._DEVICE_STATE):
+        del mm._DEVICE_STATE[key]
+    rng = random.Random(11)
+    torch.manual_seed(11)
+
+    def new_quanto(fin, fout, dtype):
+        model = torch.nn.Sequential(torch.nn.Linear(fin, fout)).to(dtype)
+        quanto.quantize(model, weights=getattr(quanto, rng.choice(["qint8", "qfloat8", "qfloat8_e5m2"])))
+        quanto.freeze(model)
+        model.requires_grad_(False)
+        return model[0]
+
+    pool = []
+    for i in range(16):
+        fin, fout = 16 * rng.randint(1, 12), 16 * rng.randint(1, 12)
+        dtype = rng.choice([torch.bfloat16, torch.float32])
+        layer = new_quanto(fin, fout, dtype) if i % 2 == 0 else torch.nn.Linear(fin, fout).to(dtype).requires_grad_(False)
+        layer.bias.requires_grad_(rng.random() < 0.5)
+        mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+        pool.append((layer, i % 2 == 0, dtype))
+
+    def weight_of(layer, quantized):
+        if quantized:
+            return layer.weight.dequantize()
+        return _compressed_reference(layer.weight.detach(), torch.float8_e4m3fn)
+
+    for op in range(300):
+        layer, quantized, dtype = rng.choice(pool)
+        x = torch.randn(rng.randint(1, 4), layer.in_features, dtype=dtype)
+        action = rng.choice(["forward", "backward", "backward", "replace", "inplace"])
+        if action == "forward":
+            with torch.no_grad():
+                assert torch.equal(layer(x), F.linear(x, weight_of(layer, quantized), layer.bias)), f"op {op}"
+        elif action == "backward":
+            ref_b = layer.bias.detach().clone().requires_grad_(layer.bias.requires_grad)
+            xr, xm = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+            out_r = F.linear(xr, weight_of(layer, quantized), ref_b)
+            layer.bias.grad = None
+            out_m = layer(xm)
+            assert torch.equal(out_m, out_r), f"op {op}"
+            out_r.float().square().sum().backward()
+            out_m.float().square().sum().backward()
+            mm.sync_grad_transfers()
+            assert torch.equal(xm.grad, xr.grad), f"op {op}"
+            if ref_b.requires_grad:
+                assert torch.equal(layer.bias.grad, ref_b.grad), f"op {op}"
+        elif action == "replace":
+            if quantized:
+                layer.weight = new_quanto(layer.in_features, layer.out_features, dtype).weight
+            else:
+                layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight), requires_grad=False)
+        elif not quantized:
+            with torch.no_grad():
+                layer.weight.mul_(0.5)  # in place: the codes are made again at the next use
+    assert mm.stats()["sim_races"] == 0
