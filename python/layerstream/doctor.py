@@ -43,6 +43,20 @@ def _memlock() -> Line:
     return Line(verdict, "ulimit -l", f"{soft / GiB:.2f} GiB (raise it if pinning falls back to pageable memory)")
 
 
+def _shm() -> Line:
+    """/dev/shm holds the host copy the ranks of a host share (LAYERSTREAM_SHARE_HOST)."""
+    import os
+
+    if not os.path.isdir("/dev/shm"):
+        return Line("OK", "/dev/shm", "absent: several ranks on this host keep a host copy each")
+    stat = os.statvfs("/dev/shm")
+    free = stat.f_bavail * stat.f_frsize
+    # Docker's default is 64 MiB: far too small for a model's weights; ranks then fall back to copies of their own.
+    verdict = "OK" if free >= 16 * GiB else "WARN"
+    return Line(verdict, "/dev/shm", f"{free / GiB:.1f} GiB free (the host copy torchrun ranks share lives there; "
+                                     "docker: --shm-size)")
+
+
 def _gpu_lines(torch) -> list[Line]:
     lines = []
     if not torch.cuda.is_available():
@@ -92,6 +106,7 @@ def run(argv: list[str] | None = None) -> int:
         lines.append(_check_extension())
         lines.extend(_gpu_lines(torch))
     lines.append(_memlock())
+    lines.append(_shm())
     width = max(len(line.what) for line in lines)
     for line in lines:
         print(f"{line.verdict:4s}  {line.what:<{width}}  {line.detail}")

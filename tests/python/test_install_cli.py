@@ -155,6 +155,7 @@ def test_doctor_reports_every_line_with_a_verdict():
     assert any(line.split()[1] == "torch" for line in lines)
     assert any("manager_modules" in line for line in lines)
     assert any("ulimit" in line for line in lines)
+    assert any(line.split()[1] == "/dev/shm" for line in lines)
     assert all(line.split()[0] in ("OK", "WARN", "FAIL") for line in lines)
 
 
