@@ -192,6 +192,12 @@ std::shared_ptr<HostBlockRef> StreamedLayer::new_block(const std::vector<std::pa
       segment->mark_ready();
     }
     block = std::make_shared<HostBlockRef>(state_->pool(), std::move(segment));
+    if (!block->block().pinned) {
+      log_once("share-unpinned", LogLevel::kWarning,
+               "the shared host copy could not be pinned (read-only registration refused): its copies go "
+               "through pinned bounce buffers, which is slower; LAYERSTREAM_SHARE_HOST=0 gives each rank a "
+               "pinned copy of its own");
+    }
     if (!leader) {
       // The shared copy must be what this rank would have packed: a rank that loaded other weights
       // would otherwise train on rank 0's without a word.
