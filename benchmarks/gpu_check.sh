@@ -200,6 +200,11 @@ if want quick; then
   # racecheck on plain torch (no layerstream): the hazards cuDNN's kernels report by themselves.
   run racecheck_control compute-sanitizer --tool racecheck python3 benchmarks/racecheck_control.py
   grep -E "RACECHECK SUMMARY" "$OUT/all.log" | tail -n 1 | sed 's/^/      control: /' >>"$OUT/summary.txt"
+  # The bf16 equality cases under racecheck with cuDNN's kernels left out (their hazards are the control's):
+  # what remains is torch's other kernels and layerstream's own.
+  run racecheck_without_cudnn bash -c 'cd /tmp && LAYERSTREAM_TEST_DEADLINE_S=0 compute-sanitizer --tool racecheck \
+    --error-exitcode 1 --kernel-name-exclude kns=cudnn --target-processes all python3 -m pytest -q -x \
+    -p no:cacheprovider -k "cuda and bitwise and dtype1" '"$PWD"'/tests/python/test_manager_contract.py'
   run pytest_aitk_real bash -c 'cd /tmp && python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -k cuda \
     '"$PWD"'/tests/python/test_aitk_real.py'
 fi
