@@ -182,19 +182,6 @@ struct QuantSource {
   at::ScalarType math = at::kFloat, result = at::kBFloat16;
 };
 
-bool is_code_dtype(at::ScalarType t) {
-  return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
-}
-
-bool is_real_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
-
-// One scale per output row ([out, 1, ...]) or one for the tensor; other groupings take the generic path.
-bool scale_fits(const at::Tensor& scale, const at::Tensor& codes) {
-  if (!is_real_dtype(scale.scalar_type())) return false;
-  if (scale.numel() == 1) return true;
-  return scale.dim() == codes.dim() && scale.size(0) == codes.size(0) && scale.numel() == codes.size(0);
-}
-
 // optimum-quanto WeightQBytesTensor (qfloat8 e4m3/e5m2, qint8): dequantize() = scale * codes.to(scale
 // dtype). torchao Float8Tensor, weight-only: dequantize() = (codes.to(float32) * scale).to(dtype).
 std::optional<QuantSource> quant_source_of(const py::object& w) {
@@ -220,7 +207,8 @@ std::optional<QuantSource> quant_source_of(const py::object& w) {
   if (!py::hasattr(w, q.codes_attr.c_str()) || !py::hasattr(w, q.scale_attr.c_str())) return std::nullopt;
   q.codes = w.attr(q.codes_attr.c_str()).cast<at::Tensor>();
   q.scale = w.attr(q.scale_attr.c_str()).cast<at::Tensor>();
-  if (!is_code_dtype(q.codes.scalar_type()) || q.codes.numel() == 0 || !scale_fits(q.scale, q.codes)) return std::nullopt;
+  // Other groupings (block-wise scales) and code types take the generic path.
+  if (!quantized_layout_supported(q.codes, q.scale)) return std::nullopt;
   if (q.library == "torchao") {
     q.math = at::kFloat;
     q.result = w.cast<at::Tensor>().scalar_type();
@@ -341,8 +329,6 @@ void pack_quantized(const py::object& module, LayerManager& core) {
   core.scale_attr = q->scale_attr;
 }
 
-// Per call on the quantized path: a weight that takes a gradient goes through the library (generic
-// path: its autograd is right); a replaced weight, swapped codes or a replaced bias are packed again.
 // The layer's `name` Parameter (None when absent) read from its `_parameters` dict: nn.Module's
 // __getattr__ is Python code, a dict lookup is not (about a microsecond less per read, on every call).
 // Assigning a Parameter or None to the attribute goes into that dict, so it is the one to read; anything
@@ -361,6 +347,8 @@ py::object param_of(const py::object& module, const char* name) {
   return py::getattr(module, name, py::none());
 }
 
+// Per call on the quantized path: a weight that takes a gradient goes through the library (generic
+// path: its autograd is right); a replaced weight, swapped codes or a replaced bias are packed again.
 py::object quantized_forward(const py::object& module, LayerManager& core, const py::object& x, bool conv,
                              const std::shared_ptr<DeviceState>& state) {
   py::object w = param_of(module, "weight");
@@ -381,7 +369,8 @@ py::object quantized_forward(const py::object& module, LayerManager& core, const
     }
     pack_quantized(module, core);
   }
-  return py::cast(core.layer->forward_frozen(x.cast<at::Tensor>(), tensor_or_undefined(param_of(module, "bias"))));
+  // `bias` is the Parameter itself: a re-pack swaps its data, not its identity.
+  return py::cast(core.layer->forward_frozen(x.cast<at::Tensor>(), bias));
 }
 
 py::cpp_function make_forward(const py::object& module, const py::object& manager_obj,

@@ -42,10 +42,13 @@ at::ScalarType compute_dtype(const at::Tensor& x) {
 // Parameter's own when it is dense (channels_last convs, transposed linears: the kernels, and so the
 // bits, then match the all-resident layer; autograd adopts a gradient in that layout as it is), else
 // contiguous.
-std::vector<std::int64_t> layout_of(const at::Tensor& t) {
-  if (t.is_non_overlapping_and_dense()) return t.strides().vec();
+std::vector<std::int64_t> contiguous_layout(const at::Tensor& t) {
   const auto dense = c10::contiguous_strides(t.sizes());
   return std::vector<std::int64_t>(dense.begin(), dense.end());
+}
+
+std::vector<std::int64_t> layout_of(const at::Tensor& t) {
+  return t.is_non_overlapping_and_dense() ? t.strides().vec() : contiguous_layout(t);
 }
 
 at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
@@ -152,7 +155,7 @@ std::optional<RealType> real_type_of(at::ScalarType t) {
 }
 
 // One scale per output row (shape [out, 1, ...]) or one scale for the tensor.
-bool per_row_or_single(const std::vector<std::int64_t>& scale_sizes, const std::vector<std::int64_t>& codes_sizes) {
+bool per_row_or_single(c10::IntArrayRef scale_sizes, c10::IntArrayRef codes_sizes) {
   std::int64_t numel = 1;
   for (auto d : scale_sizes) numel *= d;
   if (numel == 1) return true;
@@ -162,7 +165,22 @@ bool per_row_or_single(const std::vector<std::int64_t>& scale_sizes, const std::
 
 double float8_max(at::ScalarType t) { return t == at::kFloat8_e4m3fn ? 448.0 : 57344.0; }
 
+// A view of one packed tensor at `base` (host or device memory); `keep` runs when the view's storage goes.
+at::Tensor view_of(char* base, const StreamedLayer::Packed& p, at::Device where,
+                   std::function<void(void*)> keep = [](void*) {}) {
+  if (!p.defined) return at::Tensor();
+  return at::from_blob(base + p.offset, p.sizes, p.strides, std::move(keep),
+                       at::TensorOptions().dtype(p.dtype).device(where));
+}
+
 }  // namespace
+
+bool is_real_dtype(at::ScalarType t) { return real_type_of(t).has_value(); }
+
+bool quantized_layout_supported(const at::Tensor& codes, const at::Tensor& scale) {
+  return code_type_of(codes.scalar_type()).has_value() && is_real_dtype(scale.scalar_type()) &&
+         codes.numel() > 0 && per_row_or_single(scale.sizes(), codes.sizes());
+}
 
 std::shared_ptr<HostBlockRef> StreamedLayer::new_block(const std::vector<std::pair<Packed*, at::Tensor>>& parts,
                                                        std::vector<at::Tensor>& views, bool shareable) {
@@ -172,13 +190,9 @@ std::shared_ptr<HostBlockRef> StreamedLayer::new_block(const std::vector<std::pa
     total = p->offset + p->bytes;
   }
   LS_CHECK_ARG(total > 0, "a managed layer needs a non-empty weight");
-  auto view_at = [&](char* base, const Packed& p, std::function<void(void*)> deleter) {
-    return at::from_blob(base + p.offset, p.sizes, p.strides, std::move(deleter),
-                         at::TensorOptions().dtype(p.dtype).device(at::kCPU));
-  };
   auto fill = [&](char* base) {
     at::NoGradGuard no_grad;
-    for (const auto& [p, src] : parts) view_at(base, *p, [](void*) {}).copy_(src.detach());
+    for (const auto& [p, src] : parts) view_of(base, *p, at::kCPU).copy_(src.detach());
   };
 
   std::shared_ptr<HostBlockRef> block;
@@ -225,7 +239,7 @@ std::shared_ptr<HostBlockRef> StreamedLayer::new_block(const std::vector<std::pa
     // The view's storage owns a reference to the block: the host bytes live as long as any tensor (or
     // this layer) uses them.
     auto keep = block;
-    views.push_back(view_at(block->data(), *p, [keep](void*) {}));
+    views.push_back(view_of(block->data(), *p, at::kCPU, [keep](void*) {}));
   }
   return block;
 }
@@ -243,11 +257,6 @@ void StreamedLayer::install(std::shared_ptr<HostBlockRef> block, Packed w, Packe
 namespace {
 
 using Packed = StreamedLayer::Packed;
-
-std::vector<std::int64_t> contiguous_layout(const at::Tensor& t) {
-  const auto dense = c10::contiguous_strides(t.sizes());
-  return std::vector<std::int64_t>(dense.begin(), dense.end());
-}
 
 Packed describe(const at::Tensor& t, std::vector<std::int64_t> strides, at::ScalarType dtype) {
   Packed p;
@@ -307,7 +316,6 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
   // Frozen blocks may be shared between the ranks of the host; a trainable one is written by its optimizer.
   const bool shareable = !weight.requires_grad() && !(bias.defined() && bias.requires_grad());
   auto block = new_block(parts, views, shareable);
-  shared_ = block->segment() != nullptr;
 
   // Swap the Parameters' data (identity kept), then remember what they must look like.
   if (compress) {
@@ -325,11 +333,10 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
 std::array<at::Tensor, 2> StreamedLayer::pack_quantized(const at::Tensor& codes, const at::Tensor& scale,
                                                         at::ScalarType math, at::ScalarType result,
                                                         const at::Tensor& bias, bool frozen) {
-  LS_CHECK_ARG(codes.defined() && codes.numel() > 0, "a quantized layer needs non-empty codes");
-  LS_CHECK_ARG(code_type_of(codes.scalar_type()).has_value(), "quantized weights must be int8 or float8 codes, not ",
-               codes.scalar_type());
-  LS_CHECK_ARG(per_row_or_single(scale.sizes().vec(), codes.sizes().vec()),
-               "a quantized weight needs one scale per output row or one scale, not a scale of shape ", scale.sizes());
+  LS_CHECK_ARG(codes.defined() && scale.defined() && quantized_layout_supported(codes, scale),
+               "a quantized weight needs non-empty int8 or float8 codes with a float32/float16/bfloat16 scale, one "
+               "per output row or one, not ", codes.scalar_type(), " codes of shape ", codes.sizes(), " with a ",
+               scale.scalar_type(), " scale of shape ", scale.sizes());
   std::lock_guard<std::mutex> lock(mu_);
   Packed w = describe(codes, contiguous_layout(codes), codes.scalar_type());
   QuantParts q;
@@ -344,7 +351,6 @@ std::array<at::Tensor, 2> StreamedLayer::pack_quantized(const at::Tensor& codes,
   }
   std::vector<at::Tensor> views;
   auto block = new_block(parts, views, frozen && !(bias.defined() && bias.requires_grad()));
-  shared_ = block->segment() != nullptr;
   if (b.defined) {
     at::Tensor(bias).set_data(views[2]);
     remember_identity(b, bias);
@@ -369,7 +375,6 @@ std::vector<at::Tensor> StreamedLayer::pack_tensors(const std::vector<at::Tensor
   for (std::size_t i = 0; i < tensors.size(); ++i) parts.push_back({&packed[i], tensors[i]});
   std::vector<at::Tensor> views;
   auto block = new_block(parts, views, shareable);
-  shared_ = block->segment() != nullptr;
   for (std::size_t i = 0; i < views.size(); ++i) remember_identity(packed[i], views[i]);
   install(std::move(block), Packed{}, Packed{}, std::nullopt);
   tensors_ = std::move(packed);
@@ -419,14 +424,9 @@ void StreamedLayer::refresh(const at::Tensor& weight, const at::Tensor& bias) {
   const bool expand_now = quant_ && quant_->compressed && weight.requires_grad();
   // A shared (read-only) block whose weight or bias became trainable gets a copy of this rank's own
   // before its optimizer writes to it.
-  const bool unshare_now = shared_ && (weight.requires_grad() || (bias.defined() && bias.requires_grad()));
+  const bool shared = block_ && block_->segment() != nullptr;
+  const bool unshare_now = shared && (weight.requires_grad() || (bias.defined() && bias.requires_grad()));
   if (compress_now || expand_now || unshare_now || !is_current(weight, bias)) pack(weight, bias);
-}
-
-at::Tensor StreamedLayer::host_view(const Packed& p) const {
-  if (!p.defined) return at::Tensor();
-  return at::from_blob(block_->data() + p.offset, p.sizes, p.strides,
-                       at::TensorOptions().dtype(p.dtype).device(at::kCPU));
 }
 
 at::Tensor dequantize_codes(const at::Tensor& codes, const at::Tensor& scale, at::ScalarType math,
@@ -437,10 +437,9 @@ at::Tensor dequantize_codes(const at::Tensor& codes, const at::Tensor& scale, at
   const auto scale_type = real_type_of(scale.scalar_type());
   const auto math_type = real_type_of(math);
   const auto result_type = real_type_of(result);
-  const bool fits = code && scale_type && math_type && result_type &&
-                    (math == at::kFloat || math == scale.scalar_type()) && codes.numel() > 0 &&
-                    codes.is_contiguous() && scale.is_contiguous() &&
-                    per_row_or_single(scale.sizes().vec(), codes.sizes().vec());
+  const bool fits = quantized_layout_supported(codes, scale) && math_type && result_type &&
+                    (math == at::kFloat || math == scale.scalar_type()) && codes.is_contiguous() &&
+                    scale.is_contiguous();
   const bool on_cuda = codes.is_cuda();
 #ifndef LAYERSTREAM_WITH_CUDA
   use_core = use_core && !on_cuda;
@@ -509,11 +508,7 @@ auto StreamedLayer::with_region(Fn&& fn) {
   const bool on_host = state_->mode() == Mode::kSim;
   const at::Device where = on_host ? at::Device(at::kCPU) : state_->device();
   // A view of one packed tensor in the fetched region.
-  auto view = [&](const Packed& p) {
-    if (!p.defined) return at::Tensor();
-    return at::from_blob(static_cast<char*>(lease.data) + p.offset, p.sizes, p.strides,
-                         at::TensorOptions().dtype(p.dtype).device(where));
-  };
+  auto view = [&](const Packed& p) { return view_of(static_cast<char*>(lease.data), p, where); };
   try {  // from here on, every exit releases the lease
     if (on_host) {
       engine.wait_ready_host(lease);
@@ -555,36 +550,29 @@ std::vector<at::Tensor> StreamedLayer::stage_tensors() {
 
 at::Tensor StreamedLayer::forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   refresh(weight, bias);
+  return run(x, weight, bias);
+}
+
+at::Tensor StreamedLayer::forward_frozen(const at::Tensor& x, const at::Tensor& bias) {
+  return run(x, at::Tensor(), bias);
+}
+
+at::Tensor StreamedLayer::run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   if (state_->mode() == Mode::kCpu) {
     at::Tensor w = weight;
     if (quant_) {
       std::lock_guard<std::mutex> lock(mu_);
-      w = dequantize(host_view(weight_), host_view(quant_->scale), false);
+      w = dequantize(view_of(block_->data(), weight_, at::kCPU), view_of(block_->data(), quant_->scale, at::kCPU),
+                     false);
     }
     return compute_on_host(x, w, bias);
   }
   // Nothing to differentiate (no_grad, or nothing requires grad): no autograd node to build.
-  const bool graph = at::GradMode::is_enabled() &&
-                     (x.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()));
+  const bool graph = at::GradMode::is_enabled() && (x.requires_grad() || (weight.defined() && weight.requires_grad()) ||
+                                                    (bias.defined() && bias.requires_grad()));
   if (!graph) return compute_forward(x);
-  const std::optional<at::Tensor> bias_opt = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
-  return StreamedFn::apply(x, weight, bias_opt, c10::intrusive_ptr<StreamedLayer>::reclaim_copy(this));
-}
-
-at::Tensor StreamedLayer::forward_frozen(const at::Tensor& x, const at::Tensor& bias) {
-  if (state_->mode() == Mode::kCpu) {
-    at::Tensor w;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      w = dequantize(host_view(weight_), host_view(quant_->scale), false);
-    }
-    return compute_on_host(x, w, bias);
-  }
-  if (!at::GradMode::is_enabled() || !(x.requires_grad() || (bias.defined() && bias.requires_grad()))) {
-    return compute_forward(x);
-  }
-  const std::optional<at::Tensor> bias_opt = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
-  return StreamedFn::apply(x, std::nullopt, bias_opt, c10::intrusive_ptr<StreamedLayer>::reclaim_copy(this));
+  const auto optional = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
+  return StreamedFn::apply(x, optional(weight), optional(bias), c10::intrusive_ptr<StreamedLayer>::reclaim_copy(this));
 }
 
 at::Tensor StreamedLayer::compute_forward(const at::Tensor& x) {

@@ -41,6 +41,12 @@ struct ConvParams {
 at::Tensor dequantize_codes(const at::Tensor& codes, const at::Tensor& scale, at::ScalarType math,
                             at::ScalarType result, bool use_core);
 
+// The quantized weights the fused path takes: int8/float8 codes with a float32/float16/bfloat16 scale,
+// one per output row (shape [out, 1, ...]) or one for the tensor.
+bool quantized_layout_supported(const at::Tensor& codes, const at::Tensor& scale);
+// float32, float16 or bfloat16: the dtypes a scale, the math and a dequantized weight may have.
+bool is_real_dtype(at::ScalarType t);
+
 class StreamedLayer : public torch::CustomClassHolder {
  public:
   // Where one tensor of the layer lies in its arena block, and which tensor it was packed from.
@@ -131,7 +137,8 @@ class StreamedLayer : public torch::CustomClassHolder {
   // engine lets go of them). Caller holds mu_.
   void install(std::shared_ptr<HostBlockRef> block, Packed w, Packed b, std::optional<QuantParts> q);
   at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, bool on_device) const;
-  at::Tensor host_view(const Packed& p) const;
+  // forward() and forward_frozen() after their checks: `weight` undefined for a quantized layer.
+  at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
   at::Tensor compute_on_host(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const;
 
   // Runs `fn(view, on_host)` with the layer's block fetched onto the device (view(packed) is the tensor
@@ -155,8 +162,7 @@ class StreamedLayer : public torch::CustomClassHolder {
   Packed weight_, bias_;
   std::optional<QuantParts> quant_;
   std::vector<Packed> tensors_;  // pack_tensors(): the layer's own tensors, in order
-  bool compress_frozen_ = false;
-  bool shared_ = false;  // the block is a segment shared with the other ranks of the host (read-only)  // LAYERSTREAM_HOST_DTYPE was set when the layer was last packed
+  bool compress_frozen_ = false;  // LAYERSTREAM_HOST_DTYPE was set when the layer was last packed
   std::uint64_t generation_ = 0;  // engine generation the layer is registered in
   LayerId id_ = 0;
 };
