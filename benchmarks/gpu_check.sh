@@ -3,12 +3,15 @@
 # on the CUDA backend (plain and under compute-sanitizer), builds and installs the Python package, runs the
 # pytest suite and the demo on the device. Logs: $OUT/summary.txt and $OUT/all.log (default OUT:
 # build/gpu-logs).
-# Usage: OUT=/some/dir benchmarks/gpu_check.sh [all|tests|core|py|san|quant|bench][,...]
+# Usage: OUT=/some/dir benchmarks/gpu_check.sh [all|tests|core|py|san|quant|bench|...][,...]
+#   install  build and install the Python package only (then run modes side by side, one per GPU, with
+#          CUDA_VISIBLE_DEVICES=N LAYERSTREAM_REUSE_INSTALL=1 and an OUT each)
 #   core   core tests (sim + cuda) plain and under memcheck, racecheck, synccheck
 #   py     the pytest suite on the device (two shards side by side) and the racecheck control
 #   san    the pytest equality suite under memcheck, synccheck and racecheck (side by side)
 #   quant  the dequantization kernel: its core test (plain and memcheck) and its bandwidth
 #   bench  reliability figures, per-call overhead, the FLUX.1-shaped side by side (see below)
+#   rel, overhead  the first two of those alone
 #   quick  the quantized path's device tests, the ring-OOM test, the kernel's bandwidth, the racecheck
 #          control and AI-Toolkit's real manager on CUDA (a short call, about 3 minutes)
 #   perf2  FLUX.2-shaped (32B) under a 24 GiB cap: stock vs layerstream (budget), and layerstream with float8
@@ -59,9 +62,13 @@ if [[ ! -e /usr/include/gtest/gtest.h && -d .gtest/googletest ]]; then
 fi
 # Optional extras travel as wheels (.whl, git-ignored) and AI-Toolkit's memory_management as .aitk/<commit>
 # (git-ignored, never committed): see docs/benchmarks.md for how to prepare both.
+# Installed once per machine (/tmp/site/.installed): concurrent invocations (one per GPU, see `install`)
+# then share them.
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && rm -rf /tmp/site/test /tmp/site/bin && export PYTHONPATH=/tmp/site
+  if [[ -e /tmp/site/.installed ]] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target /tmp/site .whl/*.whl && rm -rf /tmp/site/test /tmp/site/bin && touch /tmp/site/.installed; }; then
+    export PYTHONPATH=/tmp/site
+  fi
 fi
 if compgen -G ".aitk/*/" >/dev/null; then
   AI_TOOLKIT_DIR=$(ls -d "$PWD"/.aitk/*/ | sed 's:/$::' | paste -sd:)
@@ -88,7 +95,10 @@ run synccheck compute-sanitizer --tool synccheck --error-exitcode 1 \
 fi
 
 installed() { python3 -c 'import layerstream.manager_modules' 2>/dev/null; }
-if want py || want tests || want san || want quant || want quick; then
+# The package is built and installed from this tree; with LAYERSTREAM_REUSE_INSTALL=1 an installed one is
+# kept (for invocations side by side on one machine, after an `install` call).
+if want install || { { want py || want tests || want san || want quant || want quick; } \
+    && ! { [[ -n ${LAYERSTREAM_REUSE_INSTALL:-} ]] && installed; }; }; then
   step "python package"
   run pip_install python3 -m pip install --no-build-isolation --no-deps -v .
 fi
@@ -171,12 +181,19 @@ if want quant; then
   grep -A 14 "^kind" "$OUT/all.log" | tail -n 13 | sed 's/^/      /' >>"$OUT/summary.txt"
 fi
 
-if want bench && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
+if { want bench || want rel; } && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
   step "reliability figures (cycles, long run)"
   run reliability python3 benchmarks/reliability.py --json-out "$OUT/reliability.json"
+  grep -E "^cycles|first-step|after the last free|host RSS|^long run" "$OUT/all.log" | tail -n 8 | sed 's/^/      /' >>"$OUT/summary.txt"
+fi
+if { want bench || want overhead; } && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
+  installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
   step "per-call host overhead"
   run call_overhead python3 benchmarks/call_overhead.py --aitk-dir "${AI_TOOLKIT_DIR%%:*}"
+  grep -A 8 "^per-call host time" "$OUT/all.log" | grep "^|" | tail -n 6 | sed 's/^/      /' >>"$OUT/summary.txt"
+fi
+if want bench && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   step "benchmark: FLUX.1-shaped, LoRA rank 128, checkpointing, 100% offloaded"
   run flux_bench python3 benchmarks/flux_bench.py --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --mode all \
     --aitk-dir "${AI_TOOLKIT_DIR%%:*}" --md-out "$OUT/flux_bench.md" --json-out "$OUT/flux_bench.json"
@@ -214,7 +231,7 @@ if want perf && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   AITK="${AI_TOOLKIT_DIR%%:*}"
   step "FLUX.1-shaped, 100% streamed: all-resident and layerstream bf16"
   run perf_bf16 python3 benchmarks/flux_bench.py --preset flux1 --mode resident,layerstream --aitk-dir "$AITK" \
-    --md-out "$OUT/perf_bf16.md" --json-out "$OUT/perf_bf16.json"
+    --timeline-out "$OUT/flux1-timeline.png" --md-out "$OUT/perf_bf16.md" --json-out "$OUT/perf_bf16.json"
   step "the same, layerstream with float8 host storage (LAYERSTREAM_HOST_DTYPE=float8_e4m3fn)"
   run perf_fp8 python3 benchmarks/flux_bench.py --preset flux1 --mode layerstream --host-dtype float8_e4m3fn \
     --aitk-dir "$AITK" --md-out "$OUT/perf_fp8.md" --json-out "$OUT/perf_fp8.json"
