@@ -190,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, world, share in (("share", args.world, True), ("private", args.world, False), ("single", 1, False)):
             print(f"== {name}: {world} rank(s), shared host copy {share}", flush=True)
             rows.append(run_config(args, name, world, share, Path(tmp) / name))
+            if args.json_out:  # what has run so far survives a run cut short
+                Path(args.json_out).write_text(json.dumps({"preset": args.preset, "world": args.world,
+                                                           "rows": rows, "partial": True}, indent=1))
         single = next(r for r in rows if r["config"] == "single" and r["status"] == "ok")
         ref = torch.load(Path(single["out_dir"]) / "lora0.pt")
         for row in rows:
