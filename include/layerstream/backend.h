@@ -164,9 +164,13 @@ class Event {
   EventHandle handle_;
 };
 
-// An alternative source of device memory (allocate returns nullptr when out of memory).
+// An alternative source of device memory (allocate returns nullptr when out of memory). `allocate` is told
+// the stream that will write the memory first: a stream-ordered allocator (PyTorch's caching allocator) must
+// hand out memory that is free in that stream's order. Memory freed by another stream with its kernels
+// still queued is not: a copy on our stream could land before (or under) them. The owner frees a buffer
+// only after every use on any stream is done, so what goes back is free in every stream's order.
 struct DeviceAllocator {
-  std::function<void*(std::size_t)> allocate;
+  std::function<void*(std::size_t, StreamHandle)> allocate;
   std::function<void(void*)> deallocate;
   explicit operator bool() const { return static_cast<bool>(allocate); }
 };
@@ -174,9 +178,10 @@ struct DeviceAllocator {
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
-  // Allocates `bytes` on the backend's device (through `allocator` when given); throws layerstream::Error
-  // naming the size when refused.
-  DeviceBuffer(Backend& backend, std::size_t bytes, DeviceAllocator allocator = {});
+  // Allocates `bytes` on the backend's device (through `allocator` when given, for use first on
+  // `first_writer`); throws layerstream::Error naming the size when refused.
+  DeviceBuffer(Backend& backend, std::size_t bytes, DeviceAllocator allocator = {},
+               StreamHandle first_writer = {});
   ~DeviceBuffer() { reset(); }
   DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
   DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {

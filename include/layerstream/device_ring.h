@@ -49,8 +49,9 @@ struct Eviction {
 
 class DeviceRing {
  public:
+  // With an `allocator`, `writer` is the stream that copies into the ring (see DeviceAllocator).
   DeviceRing(Backend& backend, std::size_t capacity_bytes, std::size_t alignment = 256,
-             DeviceAllocator allocator = {});
+             DeviceAllocator allocator = {}, StreamHandle writer = {});
   DeviceRing(const DeviceRing&) = delete;
   DeviceRing& operator=(const DeviceRing&) = delete;
 

@@ -14,7 +14,7 @@ bool overlaps(std::size_t a, std::size_t a_len, std::size_t b, std::size_t b_len
 }  // namespace
 
 DeviceRing::DeviceRing(Backend& backend, std::size_t capacity_bytes, std::size_t alignment,
-                       DeviceAllocator allocator)
+                       DeviceAllocator allocator, StreamHandle writer)
     : capacity_(capacity_bytes / alignment * alignment),
       alignment_(alignment),
       events_(backend) {
@@ -22,7 +22,7 @@ DeviceRing::DeviceRing(Backend& backend, std::size_t capacity_bytes, std::size_t
                "DeviceRing: alignment must be a power of two, got ", alignment);
   LS_CHECK_ARG(capacity_ > 0, "DeviceRing: capacity must be at least one alignment unit (",
                alignment, " bytes), got ", capacity_bytes);
-  memory_ = DeviceBuffer(backend, capacity_, std::move(allocator));
+  memory_ = DeviceBuffer(backend, capacity_, std::move(allocator), writer);
 }
 
 void DeviceRing::evict(std::map<RegionId, Region>::iterator it, Eviction& eviction) {

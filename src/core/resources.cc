@@ -36,10 +36,12 @@ void os_free(void* ptr, std::size_t bytes) noexcept {
 
 }  // namespace
 
-DeviceBuffer::DeviceBuffer(Backend& backend, std::size_t bytes, DeviceAllocator allocator)
+DeviceBuffer::DeviceBuffer(Backend& backend, std::size_t bytes, DeviceAllocator allocator,
+                           StreamHandle first_writer)
     : backend_(&backend), allocator_(std::move(allocator)), bytes_(bytes) {
   LS_CHECK_ARG(bytes > 0, "DeviceBuffer: size must be positive");
-  ptr_ = allocator_ ? allocator_.allocate(bytes) : backend.device_alloc(bytes);
+  LS_CHECK_ARG(!allocator_ || first_writer, "DeviceBuffer: an allocator needs the stream that writes first");
+  ptr_ = allocator_ ? allocator_.allocate(bytes, first_writer) : backend.device_alloc(bytes);
   if (ptr_ == nullptr) {
     const auto [free_bytes, total_bytes] = backend.device_memory_info();
     bytes_ = 0;

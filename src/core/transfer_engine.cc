@@ -32,7 +32,8 @@ TransferEngine::TransferEngine(Backend& backend, EngineOptions options)
       h2d_(backend),
       d2h_(backend),
       arena_(backend, options.arena),
-      ring_(backend, options.ring_bytes, options.arena.alignment, options.ring_allocator),
+      // h2d_ is built first (declared first): the ring's memory is written on it.
+      ring_(backend, options.ring_bytes, options.arena.alignment, options.ring_allocator, h2d_.get()),
       events_(backend) {
   LS_CHECK_ARG(options_.bounce_buffers >= 1 && options_.bounce_bytes >= 4096,
                "TransferEngine: need at least one bounce buffer of at least 4096 bytes");
@@ -245,7 +246,7 @@ bool TransferEngine::make_resident(LayerId id) {
   Layer& layer = layer_locked(id);
   if (layer.resident.data() != nullptr) return true;
   try {
-    layer.resident = DeviceBuffer(backend_, layer.block.bytes, options_.ring_allocator);
+    layer.resident = DeviceBuffer(backend_, layer.block.bytes, options_.ring_allocator, h2d_.get());
   } catch (const Error&) {
     return false;  // out of device memory: the layer keeps streaming
   }

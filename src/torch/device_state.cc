@@ -196,12 +196,16 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
 #ifdef LAYERSTREAM_TORCH_CUDA
   if (mode_ == Mode::kCuda) {
     // Ring memory from torch's caching allocator: it then counts in torch.cuda.memory_allocated() and
-    // obeys set_per_process_memory_fraction, like every other tensor of the process.
+    // obeys set_per_process_memory_fraction, like every other tensor of the process. Allocated on the
+    // engine's H2D stream, which writes it first: raw_alloc() would take the current (compute) stream,
+    // and the allocator may then return a block freed on it whose kernels are still queued, which our
+    // copies on the H2D stream would race (seen: a VRAM budget's resident copies overwritten mid-run).
     const c10::DeviceIndex index = device_.index();
-    options.ring_allocator.allocate = [index](std::size_t bytes) -> void* {
+    options.ring_allocator.allocate = [index](std::size_t bytes, StreamHandle writer) -> void* {
       c10::cuda::CUDAGuard guard(index);
       try {
-        return c10::cuda::CUDACachingAllocator::raw_alloc(bytes);
+        return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes,
+                                                                      static_cast<cudaStream_t>(writer.raw));
       } catch (const c10::OutOfMemoryError&) {
         return nullptr;
       }

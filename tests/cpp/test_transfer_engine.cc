@@ -1,5 +1,6 @@
 // TransferEngine: exact bytes, one copy per layer, reuse while in the ring, fresh bytes after a host
 // write, exact accounting, error paths, and nothing left behind.
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 
@@ -225,6 +226,57 @@ TEST(TransferEngineSim, ResidencyThatDoesNotFitIsRefusedAndNothingChanges) {
   engine.wait_ready(l, compute.get());
   engine.release(l, compute.get());
   EXPECT_TRUE(l.copied);
+}
+
+// A stream-ordered allocator (PyTorch's caching allocator) may give a stream memory that another stream
+// freed with its last use still queued: it is free in the asking stream's order only. The engine must ask
+// for its ring and its resident copies on the stream that writes them (H2D). This allocator plays the
+// caching allocator: asked for the compute stream, it returns a block whose last write, queued on the
+// compute stream, is still unordered with the other streams. The race checker sees whether a copy of the
+// engine lands on such a block; the twin at the end shows that it would.
+TEST(TransferEngineSim, RingAndResidentMemoryAreTakenInTheCopyStreamsOrder) {
+  SimBackend sim;
+  Stream compute(sim);
+  std::vector<unsigned char> queued_use(1 << 16, 0xAB);
+  auto freed_by_compute = [&](std::size_t bytes) {
+    void* p = sim.device_alloc(bytes);
+    sim.memcpy_h2d_async(p, queued_use.data(), std::min(bytes, queued_use.size()), compute.get());
+    return p;
+  };
+  std::vector<StreamHandle> asked;
+  EngineOptions options = small_options(16384);
+  options.ring_allocator.allocate = [&](std::size_t bytes, StreamHandle stream) -> void* {
+    asked.push_back(stream);
+    return stream == compute.get() ? freed_by_compute(bytes) : sim.device_alloc(bytes);
+  };
+  options.ring_allocator.deallocate = [&](void* p) { sim.device_free(p); };
+  {
+    TransferEngine engine(sim, options);
+    const LayerId a = engine.add_layer(4096), b = engine.add_layer(6000);
+    for (LayerId id : {a, b}) {
+      HostBlock block = engine.host_block(id);
+      std::memset(block.data, static_cast<int>(id), block.bytes);
+    }
+    ASSERT_TRUE(engine.make_resident(b));
+    for (LayerId id : {a, b}) {
+      Lease l = engine.fetch(id);
+      engine.wait_ready(l, compute.get());
+      engine.release(l, compute.get());
+    }
+    ASSERT_EQ(asked.size(), 2u);  // the ring, then b's resident copy
+    for (StreamHandle stream : asked) EXPECT_EQ(stream, engine.h2d_stream());
+  }
+  sim.synchronize_all();
+  EXPECT_EQ(sim.violation_count(), 0u) << (sim.violations().empty() ? "" : sim.violations().front());
+
+  // The twin: a copy on another stream into memory taken in the compute stream's order races.
+  Stream copy(sim);
+  void* p = freed_by_compute(4096);
+  std::vector<unsigned char> bytes(4096, 1);
+  sim.memcpy_h2d_async(p, bytes.data(), bytes.size(), copy.get());
+  sim.synchronize_all();
+  EXPECT_GT(sim.violation_count(), 0u);
+  sim.device_free(p);
 }
 
 // ---- sim-only: fallback staging and teardown -----------------------------------------------------------

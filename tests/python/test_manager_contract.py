@@ -397,6 +397,37 @@ def test_resident_budget_keeps_layers_on_the_device_and_changes_no_result(engine
     assert with_budget["bytes_h2d"] < without["bytes_h2d"] - with_budget["resident_bytes"]
 
 
+def test_device_memory_is_never_taken_from_under_queued_compute_work(engine, device, monkeypatch):
+    """The ring and resident copies come from torch's caching allocator, which hands a stream memory that
+    is free in that stream's order. Taken in the compute stream's order, a block freed there with a write
+    still queued (behind a long kernel) could be filled by our copy first and overwritten by that write
+    after: the layer would compute with garbage. Taken in the copy stream's order it cannot (regression:
+    a VRAM budget's resident layers on FLUX.1/FLUX.2 under a 24 GiB cap, H200, 2026-11-29)."""
+    if engine != "cuda":
+        pytest.skip("torch's caching allocator and its per-stream pools exist on CUDA only")
+    for key in list(mm._DEVICE_STATE):
+        del mm._DEVICE_STATE[key]
+    monkeypatch.setenv("LAYERSTREAM_RING_MB", "8")
+    monkeypatch.setenv("LAYERSTREAM_RESIDENT_MB", "64")  # the layer becomes resident at its first call
+    monkeypatch.setenv("LAYERSTREAM_PREFETCH", "0")
+    torch.manual_seed(21)
+    ref = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB packed: the ring and the resident copy both fit the trap
+    layer = managed_copy(ref, device)
+    ref = ref.to(device)
+    x = torch.randn(8, 1024, device=device)
+    expected = ref(x)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the trap below is then the only free block of the compute stream's pool
+    trap = torch.empty(16 << 20, dtype=torch.uint8, device=device)
+    torch.cuda._sleep(1_000_000_000)  # about half a second of queued work on the compute stream
+    trap.fill_(0xFF)                  # queued behind it: NaN bit patterns over the whole block
+    del trap                          # free in the compute stream's order, its write still queued
+    out = layer(x)
+    torch.cuda.synchronize()
+    assert mm._DEVICE_STATE[device].stats()["resident_layers"] == 1
+    assert torch.equal(out, expected)
+
+
 # ---- telemetry --------------------------------------------------------------------------------------
 
 def test_step_telemetry_reaches_python_logging(engine, device, monkeypatch, caplog):
