@@ -183,7 +183,7 @@ if { want bench || want rel; } && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
   step "reliability figures (cycles, long run)"
   run reliability python3 benchmarks/reliability.py --json-out "$OUT/reliability.json"
-  grep -E "^cycles|first-step|after the last free|host RSS|^long run" "$OUT/all.log" | tail -n 8 | sed 's/^/      /' >>"$OUT/summary.txt"
+  grep -E "^cycles|first-step|after the last free|after each free|host RSS|^long run|^\| (100|500|1000) \|" "$OUT/all.log" | tail -n 11 | sed 's/^/      /' >>"$OUT/summary.txt"
 fi
 if { want bench || want overhead; } && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
