@@ -1,5 +1,9 @@
 #include "layerstream/residency_plan.h"
 
+#include <deque>
+
+#include "layerstream/check.h"
+
 namespace layerstream {
 
 std::vector<bool> spread_residency(const std::vector<std::size_t>& bytes, std::size_t room) {
@@ -24,6 +28,54 @@ std::vector<bool> spread_residency(const std::vector<std::size_t>& bytes, std::s
     }
   }
   return keep;
+}
+
+std::uint64_t replay_copies(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,
+                            const std::vector<bool>& resident, std::size_t capacity) {
+  LS_CHECK_ARG(resident.size() == bytes.size(), "replay_copies: ", resident.size(), " residency flags for ",
+               bytes.size(), " layers");
+  std::vector<bool> present(bytes.size(), false);
+  std::deque<std::size_t> order;  // oldest first
+  std::size_t held = 0;
+  std::uint64_t copied = 0;
+  for (std::size_t layer : uses) {
+    LS_CHECK_ARG(layer < bytes.size(), "replay_copies: use of layer ", layer, " of ", bytes.size());
+    if (resident[layer] || present[layer]) continue;
+    copied += bytes[layer];
+    if (bytes[layer] > capacity) continue;
+    while (held + bytes[layer] > capacity) {
+      present[order.front()] = false;
+      held -= bytes[order.front()];
+      order.pop_front();
+    }
+    present[layer] = true;
+    held += bytes[layer];
+    order.push_back(layer);
+  }
+  return copied;
+}
+
+RingPlan plan_ring_and_residency(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,
+                                 std::size_t room, const std::vector<std::size_t>& ring_sizes, double fill) {
+  LS_CHECK_ARG(!ring_sizes.empty(), "plan_ring_and_residency: no ring size to choose from");
+  LS_CHECK_ARG(fill > 0 && fill <= 1, "plan_ring_and_residency: fill must be in (0, 1], got ", fill);
+  RingPlan best;
+  bool have = false;
+  for (std::size_t ring : ring_sizes) {
+    if (ring > room && have) continue;  // the first size is taken even when nothing fits beside it
+    RingPlan plan;
+    plan.ring_bytes = ring;
+    plan.resident = spread_residency(bytes, room > ring ? room - ring : 0);
+    plan.copied_bytes = replay_copies(bytes, uses, plan.resident,
+                                      static_cast<std::size_t>(static_cast<double>(ring) * fill));
+    const bool better = !have || plan.copied_bytes < best.copied_bytes ||
+                        (plan.copied_bytes == best.copied_bytes && ring < best.ring_bytes);
+    if (better) {
+      best = std::move(plan);
+      have = true;
+    }
+  }
+  return best;
 }
 
 }  // namespace layerstream

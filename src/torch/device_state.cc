@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <unordered_map>
 
 #include "layerstream/check.h"
 #include "layerstream/cuda_backend.h"
@@ -104,6 +105,7 @@ DeviceState::DeviceState(const c10::Device& device, Mode mode) : device_(device)
   if (const char* p = std::getenv("LAYERSTREAM_PREFETCH"); p != nullptr && std::string(p) == "0") prefetch_ = false;
   resident_budget_ = env_mib("LAYERSTREAM_RESIDENT_MB", 0, /*allow_zero=*/true);
   vram_budget_ = VramBudget::parse(std::getenv("LAYERSTREAM_VRAM_BUDGET"));
+  ring_fixed_ = std::getenv("LAYERSTREAM_RING_MB") != nullptr;
   pool_ = std::make_shared<HostPool>();
   ArenaOptions arena;
   arena.chunk_bytes = env_mib("LAYERSTREAM_CHUNK_MB", 256 * kMiB);
@@ -178,7 +180,16 @@ std::size_t DeviceState::ring_bytes_for(std::size_t layer_bytes) const {
 
 TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (engine_ && engine_->ring_capacity() >= layer_bytes) return *engine_;
+  // The budget's plan chose another ring: rebuild now if no layer is in use (between two layer calls),
+  // else at a later call.
+  const bool replan = engine_ && planned_ring_bytes_ != 0 && engine_->stats().leases_outstanding == 0;
+  // The ring holds three of the largest layer seen so far (ring_bytes_for), not just one: a layer
+  // larger than a third of it could never be fetched ahead (the lookahead is a third of the ring) nor
+  // sit beside the previous one and the next (seen: FLUX.2's 680 MB layers in a ring sized for the
+  // 450 MB ones before them copied on demand, the GPU waiting 1.5 s per step). A ring that
+  // LAYERSTREAM_RING_MB fixes grows only to hold the layer at all.
+  const std::size_t wanted = ring_fixed_ ? layer_bytes : 3 * ((layer_bytes + 255) / 256 * 256);
+  if (engine_ && engine_->ring_capacity() >= wanted && !replan) return *engine_;
   LS_CHECK(mode_ != Mode::kCpu, "internal: the engine is not used on a CPU process device");
   if (engine_) {
     const EngineStats old = engine_->stats();
@@ -188,7 +199,12 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
     engine_.reset();
   }
   EngineOptions options;
-  options.ring_bytes = ring_bytes_for(layer_bytes);
+  options.ring_bytes = ring_bytes_for(std::max(layer_bytes, largest_attached_.load()));
+  if (replan) {
+    options.ring_bytes = std::max(planned_ring_bytes_, options.ring_bytes);
+    planned_ring_bytes_ = 0;
+    keep_plan_ = true;
+  }
   // LAYERSTREAM_TIME_WAITS=1: measure how long compute waits for copies (stats: copy_wait_us).
   if (const char* t = std::getenv("LAYERSTREAM_TIME_WAITS"); t != nullptr && std::string(t) == "1") {
     options.time_waits = true;
@@ -266,12 +282,18 @@ void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now) {
     predictor_generation_ = generation_;
     first_uses_.clear();
     seen_.clear();
-    budget_planned_ = false;  // a rebuilt engine: plan its layers again
+    plan_uses_.clear();
+    if (!keep_plan_) {
+      budget_planned_ = false;  // a rebuilt engine: plan its layers again
+      planned_resident_.clear();
+    }
+    keep_plan_ = false;
   }
   const bool planning = vram_budget_.enabled && !budget_planned_;
   predictor_.observe(layer);
   if (planning) {
     if (seen_.insert(layer).second) first_uses_.push_back(layer);
+    if (plan_uses_.size() < (std::size_t{1} << 22)) plan_uses_.push_back(layer);
     // Twice as many correct predictions as there are layers: the order has repeated, the second pass
     // (step) is under way, and the first one's peak memory is on record.
     if (predictor_.stats().correct >= 2 * first_uses_.size() + 2) {
@@ -293,8 +315,12 @@ void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now) {
 }
 
 void DeviceState::consider_residency(TransferEngine& engine, LayerId layer, std::size_t bytes) {
-  if (resident_budget_ == 0) return;
   std::lock_guard<std::mutex> lock(mu_);
+  if (!planned_resident_.empty() && planned_resident_.count(engine.host_block(layer).data) != 0) {
+    engine.make_resident(layer);  // the VRAM budget's plan, carried over a rebuild for its ring
+    return;
+  }
+  if (resident_budget_ == 0) return;
   // The engine's own count: layers re-packed or removed give their share back by themselves.
   if (engine.stats().resident_bytes + bytes > resident_budget_) return;
   engine.make_resident(layer);  // false (no device room) leaves it streaming
@@ -311,30 +337,76 @@ std::optional<std::size_t> DeviceState::layer_bytes_locked(LayerId layer) const 
 std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) {
   if (view.limit == 0) return "LAYERSTREAM_VRAM_BUDGET is set but nothing reports device memory here; ignored";
   const std::size_t headroom = view.limit / 20;  // 5%: allocator fragmentation, a longer prompt
-  budget_room_ = view.limit > view.peak + headroom ? view.limit - view.peak - headroom : 0;
+  const std::size_t ring = engine_->ring_capacity();
+  // The ring and the resident copies share what the process may hold beyond its peak without the ring.
+  const std::size_t others = view.peak > ring ? view.peak - ring : 0;
+  const std::size_t room = view.limit > others + headroom ? view.limit - others - headroom : 0;
   std::vector<LayerId> ids;
   std::vector<std::size_t> sizes;
+  std::unordered_map<LayerId, std::size_t> index;
+  std::size_t largest = 0;
   for (LayerId id : first_uses_) {
     if (const std::optional<std::size_t> bytes = layer_bytes_locked(id)) {  // nullopt: freed since
+      index.emplace(id, ids.size());
       ids.push_back(id);
       sizes.push_back(*bytes);
+      largest = std::max(largest, *bytes);
     }
   }
-  // Spread over the step (residency_plan.h): streamed copies then overlap resident layers' compute.
-  const std::vector<bool> keep = spread_residency(sizes, budget_room_);
+  std::vector<std::size_t> uses;
+  for (LayerId id : plan_uses_) {
+    if (auto it = index.find(id); it != index.end()) uses.push_back(it->second);
+  }
+  plan_uses_.clear();
+  plan_uses_.shrink_to_fit();
+  // Candidate rings: the one in use first, then multiples of the largest layer (the ring's allocation
+  // unit is 256 bytes).
+  std::vector<std::size_t> rings = {ring};
+  if (!ring_fixed_) {
+    const std::size_t unit = (largest + 255) / 256 * 256;
+    for (std::size_t k : {3u, 4u, 5u, 6u, 8u, 10u, 12u, 16u}) {  // 3: see ring_bytes_for
+      if (k * unit > ring) rings.push_back(k * unit);
+    }
+  }
+  const RingPlan stay = plan_ring_and_residency(sizes, uses, room, {ring});
+  RingPlan plan = plan_ring_and_residency(sizes, uses, room, rings);
+  // Another ring only for a clear saving (the estimate is a model of the ring, and a rebuild costs a
+  // stall and the resident copies again).
+  if (plan.ring_bytes != ring && !(plan.copied_bytes < stay.copied_bytes / 100 * 97)) plan = stay;
+  budget_room_ = room > plan.ring_bytes ? room - plan.ring_bytes : 0;
   std::size_t kept = 0, kept_bytes = 0, streamed = 0;
-  for (std::size_t i = 0; i < ids.size(); ++i) {
-    if (keep[i] && engine_->make_resident(ids[i])) {
-      ++kept;
-      kept_bytes += sizes[i];
-    } else {
-      ++streamed;
+  std::string ring_note;
+  if (plan.ring_bytes != ring) {
+    // Resident copies are made as the layers register with the rebuilt engine (consider_residency).
+    planned_ring_bytes_ = plan.ring_bytes;
+    planned_resident_.clear();
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (plan.resident[i]) {
+        planned_resident_.insert(engine_->host_block(ids[i]).data);
+        ++kept;
+        kept_bytes += sizes[i];
+      } else {
+        ++streamed;
+      }
+    }
+    ring_note = detail::concat("; the device ring grows from ", ring / kMiB, " to ", plan.ring_bytes / kMiB,
+                               " MiB at the next layer call (estimated copies per planned sequence ",
+                               stay.copied_bytes / kMiB, " -> ", plan.copied_bytes / kMiB, " MiB)");
+  } else {
+    // Spread over the step (residency_plan.h): streamed copies then overlap resident layers' compute.
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (plan.resident[i] && engine_->make_resident(ids[i])) {
+        ++kept;
+        kept_bytes += sizes[i];
+      } else {
+        ++streamed;
+      }
     }
   }
   return detail::concat("layerstream VRAM budget on ", describe(), ": ", view.limit / kMiB, " MiB",
                         vram_budget_.automatic ? " (auto)" : "", ", peak ", view.peak / kMiB,
                         " MiB over the first step, 5% headroom: ", kept, " layers (", kept_bytes / kMiB,
-                        " MiB) stay on the device, ", streamed, " stream");
+                        " MiB) stay on the device, ", streamed, " stream", ring_note);
 }
 
 TransferEngine* DeviceState::current_engine() {

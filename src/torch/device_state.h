@@ -101,6 +101,13 @@ class DeviceState {
   // The engine, built (or rebuilt larger) so that its ring holds a layer of `layer_bytes`. A rebuild
   // changes `generation()`: layers then register again.
   TransferEngine& engine_for(std::size_t layer_bytes);
+  // A layer of `bytes` packed bytes was attached: the engine built at the first call sizes its ring for
+  // the largest of them (so the ring need not grow, a rebuild, as larger layers come along).
+  void note_attached(std::size_t bytes) {
+    std::size_t seen = largest_attached_.load();
+    while (bytes > seen && !largest_attached_.compare_exchange_weak(seen, bytes)) {
+    }
+  }
   // The engine as it is (nullptr before the first streamed call), never building one.
   TransferEngine* current_engine();
   std::uint64_t generation() const { return generation_; }
@@ -115,7 +122,10 @@ class DeviceState {
 
   // LAYERSTREAM_VRAM_BUDGET: once the order of layer uses has repeated (the first step is over, so its
   // peak memory is known), layers within budget - peak - headroom stay on the device for good, spread
-  // evenly over the order of first use (residency_plan.h); the rest stream. The view of the device comes from `resolver` on CUDA
+  // evenly over the order of first use (residency_plan.h); the rest stream. The ring's size is chosen in
+  // the same plan (plan_ring_and_residency) unless LAYERSTREAM_RING_MB fixes it: a ring that keeps a
+  // checkpointed block's layers from its recomputed forward to its backward may save more copies than the
+  // resident layers its memory would hold. A new ring size rebuilds the engine at the next layer call. The view of the device comes from `resolver` on CUDA
   // (installed by the Python module: it reads torch's allocator), from the backend on the simulator.
   using MemoryResolver = std::function<DeviceMemoryView(DeviceState&, const VramBudget&)>;
   static void set_memory_resolver(MemoryResolver resolver);
@@ -149,12 +159,20 @@ class DeviceState {
   std::uint64_t engines_built_ = 0;
   EngineStats retired_;  // counters of engines replaced by a larger one
   bool prefetch_ = true;
+  std::atomic<std::size_t> largest_attached_{0};
   std::size_t resident_budget_ = 0;  // LAYERSTREAM_RESIDENT_MB
   VramBudget vram_budget_;           // LAYERSTREAM_VRAM_BUDGET
   bool budget_planned_ = false;
   std::size_t budget_room_ = 0;
   std::vector<LayerId> first_uses_;  // layers of the current engine, in order of first use
   std::unordered_set<LayerId> seen_;
+  std::vector<LayerId> plan_uses_;   // every use while the budget is being planned (the step's sequence)
+  // The ring the budget's plan chose (0: none pending), built at the next call with no layer in use; the
+  // host blocks of the layers it keeps resident, made resident as they register with the new engine.
+  bool ring_fixed_ = false;  // LAYERSTREAM_RING_MB given: the plan keeps the ring as it is
+  std::size_t planned_ring_bytes_ = 0;
+  bool keep_plan_ = false;   // the next rebuild is the plan's own: it is not planned again
+  std::unordered_set<const void*> planned_resident_;
   void observe_and_prefetch(LayerId layer, bool& plan_now);  // takes mu_
   DeviceMemoryView memory_view();
   std::string apply_vram_budget_locked(const DeviceMemoryView& view);  // the line to log

@@ -249,6 +249,7 @@ void StreamedLayer::install(std::shared_ptr<HostBlockRef> block, Packed w, Packe
   id_ = 0;
   generation_ = 0;
   block_ = std::move(block);
+  state_->note_attached(block_->block().bytes);  // the first ring is sized for the largest one
   weight_ = std::move(w);
   bias_ = std::move(b);
   quant_ = std::move(q);

@@ -536,6 +536,43 @@ def test_vram_budget_keeps_what_fits_after_the_first_step_and_changes_no_result(
         assert 0 < per_step[-1] < per_step[0] - stats["resident_bytes"]
 
 
+def test_vram_budget_sizes_the_ring_too_and_moves_fewer_bytes_than_a_fixed_ring(engine, device, monkeypatch):
+    """Without LAYERSTREAM_RING_MB the budget's plan also picks the ring's size: here the first ring (three
+    of the largest layer) cannot keep a checkpointed block's layers from its recomputed forward to its
+    backward, a larger one can, though it leaves less room for resident layers. The engine is rebuilt with it at the next layer call; every loss is still
+    the resident run's, and fewer bytes cross the bus per step than with the ring fixed at 1 MiB."""
+    if engine != "sim":
+        pytest.skip("a fixed budget on a real GPU depends on what the process already holds; CPU has no ring")
+    torch.manual_seed(9)
+    base = TinyTransformer(d=256, ff=512, layers=4, checkpointing="non_reentrant").requires_grad_(False)
+    resident = copy.deepcopy(base)
+    ref_losses = _steps(resident, apply_lora(resident), device, 5)
+    monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "3MiB")
+    per_step, stats = {}, {}
+    for ring in ("1", None):
+        for key in list(mm._DEVICE_STATE):
+            del mm._DEVICE_STATE[key]
+        if ring:
+            monkeypatch.setenv("LAYERSTREAM_RING_MB", ring)
+        else:
+            monkeypatch.delenv("LAYERSTREAM_RING_MB", raising=False)
+        managed = copy.deepcopy(base)
+        ContractManager.attach(mm, managed, device).to_device()
+        state = mm._DEVICE_STATE[device]
+        moved = []
+        assert _steps(managed, apply_lora(managed), device, 5, lambda: moved.append(state.stats()["bytes_h2d"])) \
+            == ref_losses
+        per_step[ring] = moved[-1] - moved[-2]
+        stats[ring] = state.stats()
+    planned = stats[None]
+    assert stats["1"]["engines_built"] == 1 and stats["1"]["ring_bytes"] == 1 << 20  # the plan keeps a given ring
+    # The first ring: three of the largest layer (up, 512 KiB + bias); then the plan's.
+    assert planned["engines_built"] == 2 and planned["ring_bytes"] > 3 * (512 + 2) * 1024
+    assert planned["vram_budget_planned"] == 1 and planned["resident_layers"] > 0
+    assert planned["ring_bytes"] + planned["resident_bytes"] <= 3 << 20
+    assert per_step[None] < per_step["1"]
+
+
 @pytest.mark.parametrize("budget", [None, "8MiB"])
 def test_a_resolution_change_mid_run_and_inference_passes_change_no_result(engine, device, monkeypatch, budget):
     """Training at one sequence length, then a longer one, then the first again, with no-grad inference
