@@ -210,6 +210,10 @@ if want quick; then
     -k cuda '"$PWD"'/tests/python/test_quantized.py '"$PWD"'/tests/python/test_quantized_generic.py'
   run pytest_ring_oom bash -c 'cd /tmp && python3 -m pytest -q -rfE --tb=long -p no:cacheprovider \
     -k "cuda and exhausted" '"$PWD"'/tests/python/test_reliability.py'
+  # The allocator-order regression (ring and resident copies never on memory with compute work queued),
+  # and the budget and residency cases.
+  run pytest_allocator_order bash -c 'cd /tmp && python3 -m pytest -q -rfE --tb=long -p no:cacheprovider \
+    -k "cuda and (queued or budget or resident)" '"$PWD"'/tests/python/test_manager_contract.py'
   run dequant_bench python3 benchmarks/dequant_bench.py --peak-gbs 4800 --json-out "$OUT/dequant_bench.json"
   grep -A 13 "^kind" "$OUT/all.log" | tail -n 13 | sed 's/^/      /' >>"$OUT/summary.txt"
   run pytest_aitk_real bash -c 'cd /tmp && python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -k cuda \
