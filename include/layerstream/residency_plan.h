@@ -32,8 +32,9 @@ std::uint64_t replay_copies(const std::vector<std::size_t>& bytes, const std::ve
 // `ring_sizes` that fits in `room`, the resident layers are spread_residency(bytes, room - ring) and the
 // uses are replayed through `fill` of the ring: the plan with the fewest bytes copied wins, the smaller
 // ring on a tie. With fill 1 (the whole ring; a copy issued ahead of need takes the oldest region as a
-// copy on demand would) the replay ranked ring sizes as the engine's measured bytes did, on the simulator
-// with a checkpointed model (2026-11-30: within 0.6-17% of them, the best ring the same); 2/3 did not.
+// copy on demand would) the replay picked the ring that the engine's measured bytes also found best, for
+// two budgets on the simulator with a checkpointed model (2026-11-30; estimates within 17% of the
+// measured bytes); with 2/3 it did not.
 struct RingPlan {
   std::size_t ring_bytes = 0;
   std::vector<bool> resident;
