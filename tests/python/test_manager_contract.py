@@ -536,7 +536,8 @@ def test_vram_budget_keeps_what_fits_after_the_first_step_and_changes_no_result(
         assert 0 < per_step[-1] < per_step[0] - stats["resident_bytes"]
 
 
-def test_vram_budget_sizes_the_ring_too_and_moves_fewer_bytes_than_a_fixed_ring(engine, device, monkeypatch):
+@pytest.mark.parametrize("faults", ["", "5"], ids=["plain", "delays-and-scrambled-copies"])
+def test_vram_budget_sizes_the_ring_too_and_moves_fewer_bytes_than_a_fixed_ring(engine, device, monkeypatch, faults):
     """Without LAYERSTREAM_RING_MB the budget's plan also picks the ring's size: here the first ring (three
     of the largest layer) cannot keep a checkpointed block's layers from its recomputed forward to its
     backward, a larger one can, though it leaves less room for resident layers. The engine is rebuilt with it at the next layer call; every loss is still
@@ -548,6 +549,7 @@ def test_vram_budget_sizes_the_ring_too_and_moves_fewer_bytes_than_a_fixed_ring(
     resident = copy.deepcopy(base)
     ref_losses = _steps(resident, apply_lora(resident), device, 5)
     monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "3MiB")
+    monkeypatch.setenv("LAYERSTREAM_SIM_FAULTS", faults)  # the rebuild mid-step under random stream delays too
     per_step, stats = {}, {}
     for ring in ("1", None):
         for key in list(mm._DEVICE_STATE):
@@ -571,6 +573,7 @@ def test_vram_budget_sizes_the_ring_too_and_moves_fewer_bytes_than_a_fixed_ring(
     assert planned["vram_budget_planned"] == 1 and planned["resident_layers"] > 0
     assert planned["ring_bytes"] + planned["resident_bytes"] <= 3 << 20
     assert per_step[None] < per_step["1"]
+    assert planned["sim_races"] == 0
 
 
 @pytest.mark.parametrize("budget", [None, "8MiB"])
