@@ -258,7 +258,8 @@ if want perf && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   run perf_fp8 python3 benchmarks/flux_bench.py --preset flux1 --mode layerstream --host-dtype float8_e4m3fn \
     --aitk-dir "$AITK" --md-out "$OUT/perf_fp8.md" --json-out "$OUT/perf_fp8.json"
   step "under a 24 GiB cap: stock (100% offloaded) and layerstream with LAYERSTREAM_VRAM_BUDGET=24GiB"
-  run perf_cap env LAYERSTREAM_VRAM_BUDGET=24GiB python3 benchmarks/flux_bench.py --preset flux1 \
+  # LAYERSTREAM_PERF_BUDGET=auto: the budget read from the cap (needs torch's get_per_process_memory_fraction).
+  run perf_cap env LAYERSTREAM_VRAM_BUDGET="${LAYERSTREAM_PERF_BUDGET:-24GiB}" python3 benchmarks/flux_bench.py --preset flux1 \
     --mode stock,layerstream --vram-cap-gb 24 --aitk-dir "$AITK" --md-out "$OUT/perf_cap.md" --json-out "$OUT/perf_cap.json"
   # Optional: the bf16 streamed run again with larger rings (deeper prefetch; a double-stream block whole).
   for ring in ${LAYERSTREAM_PERF_RINGS:-}; do
