@@ -120,7 +120,8 @@ std::size_t StreamedLayer::packed_bytes() const { return block_ ? block_->block(
 
 bool StreamedLayer::matches(const Packed& p, const at::Tensor& t) {
   if (!p.defined) return !t.defined();
-  return t.defined() && t.unsafeGetTensorImpl() == p.impl && t.data_ptr() == p.data;
+  return t.defined() && t.unsafeGetTensorImpl() == p.impl &&
+         (t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr) == p.storage && t.data_ptr() == p.data;
 }
 
 namespace {
@@ -271,6 +272,13 @@ Packed describe(const at::Tensor& t, std::vector<std::int64_t> strides, at::Scal
 
 void remember_identity(Packed& p, const at::Tensor& t) {
   p.impl = t.unsafeGetTensorImpl();
+  p.impl_ref.emplace(t.getIntrusivePtr());
+  p.storage = nullptr;
+  p.storage_ref.reset();
+  if (t.has_storage()) {
+    p.storage = t.storage().unsafeGetStorageImpl();
+    p.storage_ref.emplace(t.storage().getWeakStorageImpl());
+  }
   p.data = t.data_ptr();
   p.version = t._version();
 }

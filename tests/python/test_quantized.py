@@ -293,3 +293,29 @@ def test_fuzz_quantized_and_compressed_layers_under_delays_and_scrambled_copies(
             with torch.no_grad():
                 layer.weight.mul_(0.5)  # in place: the codes are made again at the next use
     assert mm.stats()["sim_races"] == 0
+
+
+def test_a_replaced_weight_is_never_taken_for_the_one_it_replaced(engine, device, monkeypatch):
+    """A weight replaced after the old one was freed: the allocator hands the new Parameter the old one's
+    addresses (tensor and data, same size), so an identity kept as raw addresses takes it for the weight
+    already packed and serves the old codes (seen in the fuzz test above, once, in a full CI run). Each of
+    these replacements must be packed again and computed with its own values."""
+    if engine == "cpu":
+        pytest.skip("the CPU mode computes with the Parameter itself")
+    monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "float8_e4m3fn")  # the Parameter keeps its own memory
+    for key in list(mm._DEVICE_STATE):
+        del mm._DEVICE_STATE[key]
+    torch.manual_seed(3)
+    layer = torch.nn.Linear(32, 32).requires_grad_(False)
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    x = torch.randn(2, 32, device=device)
+    for i in range(40):
+        with torch.no_grad():
+            out = layer(x)
+            ref = F.linear(x, _compressed_reference(layer.weight, torch.float8_e4m3fn).to(device),
+                           layer.bias.to(device))
+        assert torch.equal(out, ref), f"replacement {i}"
+        old = layer._parameters["weight"]
+        layer._parameters["weight"] = None
+        del old  # freed before the new one exists: its addresses are free to be handed out again
+        layer.weight = torch.nn.Parameter(torch.randn(32, 32) * (i + 2), requires_grad=False)
