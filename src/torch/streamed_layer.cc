@@ -1,5 +1,6 @@
 #include "streamed_layer.h"
 
+#include <ATen/TensorUtils.h>
 #include <c10/util/strides.h>
 
 #include <cstdlib>
@@ -60,6 +61,28 @@ c10::intrusive_ptr<StreamedLayer> layer_of(AutogradContext* ctx) {
   return c10::static_intrusive_pointer_cast<StreamedLayer>(ctx->saved_data["layer"].toCapsule());
 }
 
+// Which formula upstream's backward of mm takes for a linear layer's input gradient
+// (mm_mat1_backward): the column-major one when the 2-D matrix that linear multiplied has strides
+// (1, rows). That matrix is x itself (2-D), x.unsqueeze(0) (1-D) or x folded to (-1, in) (a view when
+// x allows one, else a contiguous copy). Only a matrix of one row and one column is both; its input
+// gradient is then summed over the outputs in another order (seen: 1 ulp in float32).
+bool linear_input_col_major(const at::Tensor& x) {
+  if (x.dim() == 0 || x.numel() == 0) return false;
+  const std::int64_t in = x.size(-1);
+  const std::int64_t rows = x.numel() / in;
+  std::array<std::int64_t, 2> strides{};
+  if (x.dim() == 1) {
+    strides = {x.size(0) * x.stride(0), x.stride(0)};  // unsqueeze(0)
+  } else if (x.dim() == 2) {
+    strides = {x.stride(0), x.stride(1)};
+  } else if (const auto folded = at::detail::computeStride(x.sizes(), x.strides(), at::IntArrayRef{rows, in})) {
+    strides = {(*folded)[0], (*folded)[1]};
+  } else {
+    strides = {in, 1};  // reshape copies
+  }
+  return strides[0] == 1 && strides[1] == rows;
+}
+
 struct StreamedFn : public torch::autograd::Function<StreamedFn> {
   // `bias` is optional: an undefined Tensor would be taken for a variable input.
   // `weight` is absent for quantized layers (their weight takes no gradient).
@@ -73,8 +96,7 @@ struct StreamedFn : public torch::autograd::Function<StreamedFn> {
     const bool save_x = layer->kind() == LayerKind::kConv2d || (weight.defined() && weight.requires_grad());
     ctx->save_for_backward({save_x ? x : at::Tensor(), weight, bias});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
-    ctx->saved_data["x_col_major"] =
-        x.dim() == 2 && x.stride(0) == 1 && x.stride(1) == x.size(0) && x.size(0) > 1;
+    ctx->saved_data["x_col_major"] = layer->kind() == LayerKind::kLinear && linear_input_col_major(x);
     // Which path upstream's linear took: the fused addmm one for 2-D or contiguous inputs.
     ctx->saved_data["x_fused"] = x.dim() == 2 || x.is_contiguous();
     ctx->saved_data["layer"] = c10::IValue::make_capsule(std::move(layer));

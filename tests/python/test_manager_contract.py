@@ -125,6 +125,12 @@ LINEAR_CASES = [
     ((2, 7, 16), 16, 24, True, True),
     ((3, 2, 5, 16), 16, 8, False, False),
     ((4, 16), 16, 4, False, True),
+    # One input feature and one row: the 2-D input upstream multiplies is both row- and column-major, and
+    # its backward takes the column-major formula (a different summation order over the outputs).
+    ((1,), 1, 48, True, False),
+    ((1, 1), 1, 48, False, False),
+    ((1, 1, 1), 1, 48, True, False),
+    ((16,), 16, 24, True, False),
 ]
 
 
