@@ -142,8 +142,9 @@ std::size_t StreamedLayer::packed_bytes() const { return block_ ? block_->block(
 
 bool StreamedLayer::matches(const Packed& p, const at::Tensor& t) {
   if (!p.defined) return !t.defined();
-  return t.defined() && t.unsafeGetTensorImpl() == p.impl &&
-         (t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr) == p.storage && t.data_ptr() == p.data;
+  const c10::StorageImpl* storage = t.defined() && t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
+  return t.defined() && p.impl && t.unsafeGetTensorImpl() == p.impl->_unsafe_get_target() &&
+         storage == (p.storage ? p.storage->_unsafe_get_target() : nullptr) && t.data_ptr() == p.data;
 }
 
 namespace {
@@ -293,14 +294,9 @@ Packed describe(const at::Tensor& t, std::vector<std::int64_t> strides, at::Scal
 }
 
 void remember_identity(Packed& p, const at::Tensor& t) {
-  p.impl = t.unsafeGetTensorImpl();
-  p.impl_ref.emplace(t.getIntrusivePtr());
-  p.storage = nullptr;
-  p.storage_ref.reset();
-  if (t.has_storage()) {
-    p.storage = t.storage().unsafeGetStorageImpl();
-    p.storage_ref.emplace(t.storage().getWeakStorageImpl());
-  }
+  p.impl.emplace(t.getIntrusivePtr());
+  p.storage.reset();
+  if (t.has_storage()) p.storage.emplace(t.storage().getWeakStorageImpl());
   p.data = t.data_ptr();
   p.version = t._version();
 }

@@ -56,14 +56,13 @@ class StreamedLayer : public torch::CustomClassHolder {
     at::ScalarType dtype = at::kFloat;
     std::size_t offset = 0;
     std::size_t bytes = 0;
-    const c10::TensorImpl* impl = nullptr;     // identity of the Parameter
-    const c10::StorageImpl* storage = nullptr;  // ... and of its storage
-    const void* data = nullptr;                // where its data must point
-    // Weak references keep those two objects' memory from being reused while the addresses above are
-    // compared (the objects themselves may go): without them, a Parameter allocated where a replaced,
-    // freed one was looked the same and was served the old bytes.
-    std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> impl_ref;
-    std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage_ref;
+    // Identity of the Parameter and of its storage (none for a tensor without one), and where its data
+    // must point. Held weakly: the objects may go, but their memory is not reused while they are
+    // remembered, so a Parameter allocated where a replaced, freed one was cannot look the same (it was
+    // served the old bytes when the identity was two raw addresses).
+    std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> impl;
+    std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
+    const void* data = nullptr;
     std::uint32_t version = 0;
     bool defined = false;
   };
