@@ -23,6 +23,9 @@ namespace {
 
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 
+// A layer's room in the ring: its bytes rounded up to the ring's 256-byte alignment.
+std::size_t ring_unit(std::size_t layer_bytes) { return (layer_bytes + 255) / 256 * 256; }
+
 std::mutex& registry_mutex() {
   static std::mutex m;
   return m;
@@ -167,7 +170,7 @@ std::vector<std::shared_ptr<DeviceState>> DeviceState::live() {
 }
 
 std::size_t DeviceState::ring_bytes_for(std::size_t layer_bytes) const {
-  const std::size_t aligned = (layer_bytes + 255) / 256 * 256;
+  const std::size_t aligned = ring_unit(layer_bytes);
   // Three of the largest layer guarantee room for the next one wherever the held one sits, with
   // headroom for reuse; on a GPU at least 512 MiB, so that a block's layers stay resident together.
   const std::size_t floor = mode_ == Mode::kCuda ? 512 * kMiB : 0;
@@ -188,7 +191,7 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
   // sit beside the previous one and the next (seen: FLUX.2's 680 MB layers in a ring sized for the
   // 450 MB ones before them copied on demand, the GPU waiting 1.5 s per step). A ring that
   // LAYERSTREAM_RING_MB fixes grows only to hold the layer at all.
-  const std::size_t wanted = ring_fixed_ ? layer_bytes : 3 * ((layer_bytes + 255) / 256 * 256);
+  const std::size_t wanted = ring_fixed_ ? layer_bytes : 3 * ring_unit(layer_bytes);
   if (engine_ && engine_->ring_capacity() >= wanted && !replan) return *engine_;
   LS_CHECK(mode_ != Mode::kCpu, "internal: the engine is not used on a CPU process device");
   if (engine_) {
@@ -359,13 +362,11 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
   }
   plan_uses_.clear();
   plan_uses_.shrink_to_fit();
-  // Candidate rings: the one in use first, then multiples of the largest layer (the ring's allocation
-  // unit is 256 bytes).
+  // Candidate rings: the one in use first, then multiples of the largest layer.
   std::vector<std::size_t> rings = {ring};
   if (!ring_fixed_) {
-    const std::size_t unit = (largest + 255) / 256 * 256;
     for (std::size_t k : {3u, 4u, 5u, 6u, 8u, 10u, 12u, 16u}) {  // 3: see ring_bytes_for
-      if (k * unit > ring) rings.push_back(k * unit);
+      if (k * ring_unit(largest) > ring) rings.push_back(k * ring_unit(largest));
     }
   }
   const RingPlan stay = plan_ring_and_residency(sizes, uses, room, {ring});
@@ -374,35 +375,32 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
   // stall and the resident copies again).
   if (plan.ring_bytes != ring && !(plan.copied_bytes < stay.copied_bytes / 100 * 97)) plan = stay;
   budget_room_ = room > plan.ring_bytes ? room - plan.ring_bytes : 0;
+  // With a new ring the resident copies are made as the layers register with the rebuilt engine
+  // (consider_residency); with this one, now. Either way spread over the step (residency_plan.h):
+  // streamed copies then overlap resident layers' compute.
+  const bool rebuild = plan.ring_bytes != ring;
+  planned_ring_bytes_ = rebuild ? plan.ring_bytes : 0;
+  planned_resident_.clear();
   std::size_t kept = 0, kept_bytes = 0, streamed = 0;
-  std::string ring_note;
-  if (plan.ring_bytes != ring) {
-    // Resident copies are made as the layers register with the rebuilt engine (consider_residency).
-    planned_ring_bytes_ = plan.ring_bytes;
-    planned_resident_.clear();
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      if (plan.resident[i]) {
-        planned_resident_.insert(engine_->host_block(ids[i]).data);
-        ++kept;
-        kept_bytes += sizes[i];
-      } else {
-        ++streamed;
-      }
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    bool keep = plan.resident[i];
+    if (keep && rebuild) {
+      planned_resident_.insert(engine_->host_block(ids[i]).data);
+    } else if (keep) {
+      keep = engine_->make_resident(ids[i]);
     }
-    ring_note = detail::concat("; the device ring grows from ", ring / kMiB, " to ", plan.ring_bytes / kMiB,
-                               " MiB at the next layer call (estimated copies per planned sequence ",
-                               stay.copied_bytes / kMiB, " -> ", plan.copied_bytes / kMiB, " MiB)");
-  } else {
-    // Spread over the step (residency_plan.h): streamed copies then overlap resident layers' compute.
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      if (plan.resident[i] && engine_->make_resident(ids[i])) {
-        ++kept;
-        kept_bytes += sizes[i];
-      } else {
-        ++streamed;
-      }
+    if (keep) {
+      ++kept;
+      kept_bytes += sizes[i];
+    } else {
+      ++streamed;
     }
   }
+  const std::string ring_note =
+      rebuild ? detail::concat("; the device ring grows from ", ring / kMiB, " to ", plan.ring_bytes / kMiB,
+                               " MiB at the next layer call (estimated copies per planned sequence ",
+                               stay.copied_bytes / kMiB, " -> ", plan.copied_bytes / kMiB, " MiB)")
+              : std::string();
   return detail::concat("layerstream VRAM budget on ", describe(), ": ", view.limit / kMiB, " MiB",
                         vram_budget_.automatic ? " (auto)" : "", ", peak ", view.peak / kMiB,
                         " MiB over the first step, 5% headroom: ", kept, " layers (", kept_bytes / kMiB,
