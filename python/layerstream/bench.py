@@ -599,10 +599,9 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
     for step in range(args.warmup + args.steps):
         if step == args.warmup and mode == "layerstream":
             stats_at_start = layerstream_stats()  # engine counters are cumulative: diff over the timed steps
-        if step == args.warmup and nvml is not None:
-            _sync(device)
-            energy_start = nvml.energy_mj()
         _sync(device)
+        if step == args.warmup and nvml is not None:
+            energy_start = nvml.energy_mj()
         t0 = time.perf_counter()
         loss = one_step()
         _sync(device)
