@@ -40,7 +40,8 @@ def _cuda_skip_reason() -> str | None:
     return None
 
 
-def _clear_states():
+def clear_device_states():
+    """Drops every device state (as deleting `_DEVICE_STATE` keys does in manager.py) and collects what is left."""
     for key in list(mm._DEVICE_STATE):
         del mm._DEVICE_STATE[key]
     gc.collect()
@@ -54,12 +55,12 @@ def engine(request, monkeypatch):
         if reason:
             pytest.skip(reason)
     monkeypatch.setenv("LAYERSTREAM_BACKEND", "sim" if mode == "sim" else "cpu")
-    _clear_states()
+    clear_device_states()
     yield mode
     mm.sync_grad_transfers()
     # The simulator's race checker watched every copy and every read of the test: none may be unordered.
     assert mm.stats()["sim_races"] == 0
-    _clear_states()
+    clear_device_states()
 
 
 @pytest.fixture

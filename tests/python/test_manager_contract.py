@@ -12,6 +12,7 @@ import weakref
 import pytest
 import torch
 
+from conftest import clear_device_states
 from layerstream import manager_modules as mm
 from contract_driver import ContractManager
 from models import TinyTransformer, apply_lora, train_lora
@@ -286,9 +287,7 @@ def test_free_returns_host_memory_and_the_device_state(engine, device):
     model(torch.randn(1, 3, 64, device=device)).sum().backward()
     assert mm.stats()["host_bytes_held"] > before
     driver.free()
-    for key in list(mm._DEVICE_STATE):  # what manager.py does for cuda keys, done for every key here
-        del mm._DEVICE_STATE[key]
-    gc.collect()
+    clear_device_states()  # what manager.py does for cuda keys, done for every key here
     assert mm.stats()["host_bytes_held"] == 0
     assert mm.live_device_states() == 0
 
@@ -329,8 +328,7 @@ def test_bad_input_raises_and_the_layer_keeps_working(engine, device):
 
 
 def test_bad_backend_setting_is_a_value_error(monkeypatch):
-    for key in list(mm._DEVICE_STATE):
-        del mm._DEVICE_STATE[key]
+    clear_device_states()
     monkeypatch.setenv("LAYERSTREAM_BACKEND", "gpu-please")
     with pytest.raises(ValueError, match="LAYERSTREAM_BACKEND"):
         mm.LinearLayerMemoryManager.attach(torch.nn.Linear(2, 2), Manager("cpu"))
@@ -388,8 +386,7 @@ def test_resident_budget_keeps_layers_on_the_device_and_changes_no_result(engine
     runs = {}
     for budget in ("0", "3"):  # MiB: nothing resident, then about a third of the model's 8 MiB
         monkeypatch.setenv("LAYERSTREAM_RESIDENT_MB", budget)
-        for key in list(mm._DEVICE_STATE):
-            del mm._DEVICE_STATE[key]
+        clear_device_states()
         managed = copy.deepcopy(base)
         ContractManager.attach(mm, managed, device).to_device()
         loras = [lo.to(device) for lo in apply_lora(managed)]
@@ -411,8 +408,7 @@ def test_device_memory_is_never_taken_from_under_queued_compute_work(engine, dev
     a VRAM budget's resident layers on FLUX.1/FLUX.2 under a 24 GiB cap, H200, 2026-11-29)."""
     if engine != "cuda":
         pytest.skip("torch's caching allocator and its per-stream pools exist on CUDA only")
-    for key in list(mm._DEVICE_STATE):
-        del mm._DEVICE_STATE[key]
+    clear_device_states()
     monkeypatch.setenv("LAYERSTREAM_RING_MB", "8")
     monkeypatch.setenv("LAYERSTREAM_RESIDENT_MB", "64")  # the layer becomes resident at its first call
     monkeypatch.setenv("LAYERSTREAM_PREFETCH", "0")
@@ -459,8 +455,7 @@ def test_waits_for_copies_are_timed_when_asked(engine, device, monkeypatch, capl
 
     if engine == "cpu":
         pytest.skip("the CPU mode has no copies to wait for")
-    for key in list(mm._DEVICE_STATE):
-        del mm._DEVICE_STATE[key]
+    clear_device_states()
     monkeypatch.setenv("LAYERSTREAM_TIME_WAITS", "1")
     monkeypatch.setenv("LAYERSTREAM_LOG_EVERY", "2")
     layers = [managed_copy(torch.nn.Linear(64, 64), device) for _ in range(4)]
@@ -481,14 +476,12 @@ def test_waits_for_copies_are_timed_when_asked(engine, device, monkeypatch, capl
 # ---- VRAM budget ------------------------------------------------------------------------------------
 
 def test_vram_budget_setting_is_checked(monkeypatch):
-    for key in list(mm._DEVICE_STATE):
-        del mm._DEVICE_STATE[key]
+    clear_device_states()
     monkeypatch.setenv("LAYERSTREAM_BACKEND", "sim")
     monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "24 gigs")
     with pytest.raises(ValueError, match="LAYERSTREAM_VRAM_BUDGET=24 gigs is not understood.*auto.*24GiB"):
         mm.LinearLayerMemoryManager.attach(torch.nn.Linear(2, 2), Manager("cpu"))
-    for key in list(mm._DEVICE_STATE):
-        del mm._DEVICE_STATE[key]
+    clear_device_states()
 
 
 def _steps(model, loras, device, steps, after_step=lambda: None):
@@ -515,8 +508,7 @@ def test_vram_budget_keeps_what_fits_after_the_first_step_and_changes_no_result(
         pytest.skip("the CPU mode has no device to keep layers on")
     if engine == "cuda" and budget != "auto":
         pytest.skip("a fixed budget depends on what the process already holds on a real GPU; auto does not")
-    for key in list(mm._DEVICE_STATE):
-        del mm._DEVICE_STATE[key]
+    clear_device_states()
     monkeypatch.setenv("LAYERSTREAM_RING_MB", "4")
     monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", budget)
     torch.manual_seed(9)
@@ -558,8 +550,7 @@ def test_vram_budget_sizes_the_ring_too_and_moves_fewer_bytes_than_a_fixed_ring(
     monkeypatch.setenv("LAYERSTREAM_SIM_FAULTS", faults)  # the rebuild mid-step under random stream delays too
     per_step, stats = {}, {}
     for ring in ("1", None):
-        for key in list(mm._DEVICE_STATE):
-            del mm._DEVICE_STATE[key]
+        clear_device_states()
         if ring:
             monkeypatch.setenv("LAYERSTREAM_RING_MB", ring)
         else:
@@ -591,8 +582,7 @@ def test_a_resolution_change_mid_run_and_inference_passes_change_no_result(engin
         pytest.skip("the CPU mode has no engine to prefetch with")
     if engine == "cuda" and budget is not None:
         pytest.skip("a fixed budget depends on what the process already holds on a real GPU")
-    for key in list(mm._DEVICE_STATE):
-        del mm._DEVICE_STATE[key]
+    clear_device_states()
     monkeypatch.setenv("LAYERSTREAM_RING_MB", "4")
     if budget:
         monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", budget)

@@ -12,6 +12,7 @@ import gc
 import pytest
 import torch
 
+from conftest import clear_device_states
 from contract_driver import ContractManager
 from layerstream import manager_modules as mm
 from models import TinyTransformer, apply_lora, train_lora
@@ -21,14 +22,11 @@ from models import TinyTransformer, apply_lora, train_lora
 def two_sim_devices(monkeypatch):
     monkeypatch.setenv("LAYERSTREAM_BACKEND", "sim")
     monkeypatch.setenv("LAYERSTREAM_RING_MB", "1")  # layers come and go on both devices
-    for key in list(mm._DEVICE_STATE):
-        del mm._DEVICE_STATE[key]
+    clear_device_states()
     yield torch.device("cpu", 0), torch.device("cpu", 1)
     mm.sync_grad_transfers()
     assert mm.stats()["sim_races"] == 0
-    for key in list(mm._DEVICE_STATE):
-        del mm._DEVICE_STATE[key]
-    gc.collect()
+    clear_device_states()
 
 
 def test_each_device_has_its_own_engine_and_a_model_on_the_second_is_exact(two_sim_devices):
@@ -87,8 +85,7 @@ def test_a_model_on_the_second_gpu_is_exact_while_the_first_is_current(monkeypat
     """AI-Toolkit once used device 0's stream for a model on cuda:1, with nothing ordering its copies
     against compute. Here cuda:0 stays the current device while a model trains on cuda:1: every stream,
     event and ring is cuda:1's, and the result is bitwise the resident model's on cuda:1."""
-    for key in list(mm._DEVICE_STATE):
-        del mm._DEVICE_STATE[key]
+    clear_device_states()
     monkeypatch.setenv("LAYERSTREAM_RING_MB", "1")  # layers come and go
     torch.cuda.set_device(0)
     dev1 = torch.device("cuda", 1)
@@ -104,5 +101,4 @@ def test_a_model_on_the_second_gpu_is_exact_while_the_first_is_current(monkeypat
     assert [str(k) for k in mm._DEVICE_STATE] == ["cuda:1"]
     stats = mm._DEVICE_STATE[dev1].stats()
     assert stats["fetches"] > 0 and stats["copies_h2d"] > 0
-    for key in list(mm._DEVICE_STATE):
-        del mm._DEVICE_STATE[key]
+    clear_device_states()

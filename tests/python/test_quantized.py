@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import clear_device_states
 from layerstream import manager_modules as mm
 
 quanto = pytest.importorskip("optimum.quanto", reason="optimum-quanto is not installed")
@@ -238,8 +239,7 @@ def test_fuzz_quantized_and_compressed_layers_under_delays_and_scrambled_copies(
     monkeypatch.setenv("LAYERSTREAM_SIM_FAULTS", "7")
     monkeypatch.setenv("LAYERSTREAM_RING_MB", "1")
     monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "float8_e4m3fn")
-    for key in list(mm._DEVICE_STATE):
-        del mm._DEVICE_STATE[key]
+    clear_device_states()
     rng = random.Random(11)
     torch.manual_seed(11)
 
@@ -303,8 +303,7 @@ def test_a_replaced_weight_is_never_taken_for_the_one_it_replaced(engine, device
     if engine == "cpu":
         pytest.skip("the CPU mode computes with the Parameter itself")
     monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "float8_e4m3fn")  # the Parameter keeps its own memory
-    for key in list(mm._DEVICE_STATE):
-        del mm._DEVICE_STATE[key]
+    clear_device_states()
     torch.manual_seed(3)
     layer = torch.nn.Linear(32, 32).requires_grad_(False)
     mm.LinearLayerMemoryManager.attach(layer, Manager(device))

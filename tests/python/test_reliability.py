@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import clear_device_states
 from contract_driver import ContractManager
 from layerstream import manager_modules as mm
 from models import TinyTransformer
@@ -36,10 +37,6 @@ class Manager:
         self.process_device = torch.device(device)
 
 
-def clear_states():
-    for key in list(mm._DEVICE_STATE):
-        del mm._DEVICE_STATE[key]
-    gc.collect()
 
 
 def settled_rss() -> int | None:
@@ -77,7 +74,7 @@ def managed_trainer(device) -> tuple[Trainer, ContractManager]:
 
 def test_fifty_attach_train_free_cycles_return_every_byte(engine, device):
     reference = resident_losses(device, 5)
-    clear_states()
+    clear_device_states()
     baseline_device = device_bytes(device)
     rss = []
     for cycle in range(50):
@@ -85,7 +82,7 @@ def test_fifty_attach_train_free_cycles_return_every_byte(engine, device):
         assert [trainer.step() for _ in range(5)] == reference, f"cycle {cycle}"
         driver.free()
         del trainer, driver
-        clear_states()
+        clear_device_states()
         stats = mm.stats()
         assert stats["host_bytes_held"] == 0 and stats["pinned_bytes"] == 0, f"cycle {cycle}: {stats}"
         assert mm.live_device_states() == 0, f"cycle {cycle}"
@@ -121,7 +118,7 @@ def test_thousand_steps_with_checkpoint_saves_are_exact_and_flat(engine, device,
         pytest.skip("the CPU mode computes directly; the streamed modes carry the long-run risk")
     steps, every = 1000, 100
     reference = resident_losses(device, steps)
-    clear_states()
+    clear_device_states()
     trainer, driver = managed_trainer(device)
     losses, held, rss = [], [], []
     for step in range(steps):
@@ -215,7 +212,7 @@ def test_keyboard_interrupts_in_forward_and_backward_lose_nothing(engine, device
         assert torch.equal(a.up, b.up) and torch.equal(a.down, b.down)
     driver.free()
     del managed, driver, man_linears, trap, trainer, linears, a, b  # every reference to the managed model
-    clear_states()
+    clear_device_states()
     assert mm.stats()["host_bytes_held"] == 0 and mm.live_device_states() == 0
 
 
@@ -228,7 +225,7 @@ def test_refused_pinning_falls_back_says_so_once_and_trains_exactly(engine, devi
     if engine != "sim":
         pytest.skip("refusals are simulated; the GPU suite runs the arena's own fallback test on CUDA")
     monkeypatch.setenv("LAYERSTREAM_SIM_PINNABLE_MB" if how == "platform" else "LAYERSTREAM_PINNED_CAP_MB", "1")
-    clear_states()
+    clear_device_states()
     torch.manual_seed(23)
     base = TinyTransformer(d=256, ff=1024, layers=2, checkpointing="non_reentrant").requires_grad_(False)
     resident = Trainer(copy.deepcopy(base).to(device), device)
@@ -257,7 +254,7 @@ def test_random_stream_delays_and_scrambled_copies_over_two_thousand_steps(engin
     monkeypatch.setenv("LAYERSTREAM_SIM_FAULTS", "1234")
     monkeypatch.setenv("LAYERSTREAM_RING_MB", "1")  # layers come and go every step
     reference = resident_losses(device, steps)
-    clear_states()
+    clear_device_states()
     trainer, driver = managed_trainer(device)
     if host == "slow":
         import time
@@ -272,7 +269,7 @@ def test_random_stream_delays_and_scrambled_copies_over_two_thousand_steps(engin
 def test_device_memory_exhausted_for_the_ring_is_a_clear_oom_error_and_recoverable(engine, device, monkeypatch):
     if engine == "cpu":
         pytest.skip("the CPU mode allocates no device memory")
-    clear_states()
+    clear_device_states()
     monkeypatch.setenv("LAYERSTREAM_RING_MB", "4096")
     if engine == "sim":
         monkeypatch.setenv("LAYERSTREAM_SIM_DEVICE_MB", "2048")  # a 2 GiB card
@@ -293,7 +290,7 @@ def test_device_memory_exhausted_for_the_ring_is_a_clear_oom_error_and_recoverab
     finally:
         if engine == "cuda":
             torch.cuda.set_per_process_memory_fraction(1.0, device)
-        clear_states()
+        clear_device_states()
 
 
 # ---- bad input --------------------------------------------------------------------------------------------
@@ -363,12 +360,12 @@ def test_layer_larger_than_the_ring_names_the_setting_and_the_process_goes_on(en
     if engine == "cpu":
         pytest.skip("the CPU mode has no ring")
     monkeypatch.setenv("LAYERSTREAM_RING_MB", "1")
-    clear_states()
+    clear_device_states()
     layer = _attach(torch.nn.Linear(1024, 1024), device)
     with pytest.raises(ValueError, match="LAYERSTREAM_RING_MB is 1 MiB.*raise it to at least 5 MiB"):
         layer(torch.randn(2, 1024, device=device))
     monkeypatch.delenv("LAYERSTREAM_RING_MB")
-    clear_states()
+    clear_device_states()
     assert _attach(torch.nn.Linear(1024, 1024), device)(torch.randn(2, 1024, device=device)).shape == (2, 1024)
 
 
@@ -445,7 +442,7 @@ def test_weight_gradients_are_whole_when_backward_returns_without_sync(engine, d
         pytest.skip("the CPU mode computes gradients in place: nothing is copied")
     if engine == "sim":
         monkeypatch.setenv("LAYERSTREAM_SIM_FAULTS", "99")
-    clear_states()
+    clear_device_states()
     torch.manual_seed(31)
     base = TinyTransformer(d=64, ff=256, layers=2)  # every weight trainable: a full fine-tune
     resident = copy.deepcopy(base).to(device)
