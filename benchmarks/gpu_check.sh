@@ -8,6 +8,7 @@
 #          CUDA_VISIBLE_DEVICES=N LAYERSTREAM_REUSE_INSTALL=1 and an OUT each)
 #   core   core tests (sim + cuda) plain and under memcheck, racecheck, synccheck
 #   py     the pytest suite on the device (two shards side by side) and the demo
+#   pycuda the same with only the GPU cases (-k cuda), a shard per GPU where there are two
 #   race   racecheck: the control without layerstream, and the bf16 equality cases (hazards only in cuDNN)
 #   san    the pytest equality suite under memcheck, synccheck and racecheck (side by side)
 #   quant  the dequantization kernel: its core test (plain and memcheck) and its bandwidth
@@ -98,7 +99,7 @@ fi
 installed() { python3 -c 'import layerstream.manager_modules' 2>/dev/null; }
 # The package is built and installed from this tree; with LAYERSTREAM_REUSE_INSTALL=1 an installed one is
 # kept (for invocations side by side on one machine, after an `install` call).
-if want install || { { want py || want tests || want san || want quant || want quick || want race; } \
+if want install || { { want py || want pycuda || want tests || want san || want quant || want quick || want race; } \
     && ! { [[ -n ${LAYERSTREAM_REUSE_INSTALL:-} ]] && installed; }; }; then
   step "python package"
   run pip_install python3 -m pip install --no-build-isolation --no-deps -v .
@@ -112,20 +113,27 @@ if want quant; then
   QUANT_BUILD=$!
 fi
 
-if want py || want tests; then
-  step "pytest on the device (two shards side by side)"
+if want py || want pycuda || want tests; then
+  # pycuda: only the tests that run on the GPU (`-k cuda`; CI runs the cpu and sim ones), about 5 minutes
+  # on one GPU; on a machine with two GPUs (and no CUDA_VISIBLE_DEVICES given) each shard gets its own.
+  K="not install_then_uninstall"
+  want pycuda && ! want py && ! want tests && K="cuda and $K"
+  step "pytest on the device (two shards side by side; -k \"$K\")"
   # The install/uninstall round trips are file handling with no device code (CI runs them); skipped here to
   # leave the call's time to the device tests.
-  shard() {  # shard NAME FILES...
-    local name=$1; shift
-    ( cd /tmp && python3 -X faulthandler -m pytest -q -rs --durations=8 -p no:cacheprovider \
-        -k "not install_then_uninstall" "$@" ) >"$OUT/pytest_$name.log" 2>&1
+  NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  shard() {  # shard NAME GPU FILES...
+    local name=$1 gpu=$2; shift 2
+    local visible=${CUDA_VISIBLE_DEVICES:-}
+    [[ -z $visible && $NGPU -ge 2 ]] && visible=$gpu
+    ( cd /tmp && ${visible:+env CUDA_VISIBLE_DEVICES=$visible} python3 -X faulthandler -m pytest -q -rs \
+        --durations=8 -p no:cacheprovider -k "$K" "$@" ) >"$OUT/pytest_$name.log" 2>&1
     echo $? >"$OUT/pytest_$name.rc"
   }
   T="$PWD/tests/python"
-  shard a "$T/test_reliability.py" "$T/test_install_cli.py" "$T/test_aitk_real.py" &
+  shard a 0 "$T/test_reliability.py" "$T/test_install_cli.py" "$T/test_aitk_real.py" &
   SHARD_A=$!
-  shard b "$T" --ignore="$T/test_reliability.py" --ignore="$T/test_install_cli.py" --ignore="$T/test_aitk_real.py" &
+  shard b 1 "$T" --ignore="$T/test_reliability.py" --ignore="$T/test_install_cli.py" --ignore="$T/test_aitk_real.py" &
   SHARD_B=$!
   wait "$SHARD_A" "$SHARD_B"
   for name in a b; do
