@@ -22,8 +22,11 @@ std::vector<bool> spread_residency(const std::vector<std::size_t>& bytes, std::s
 // resident ones never copied, the others through a first-in-first-out store of `capacity` bytes: a use
 // copies unless the layer is still there since it was last copied (the ring places regions in order and
 // evicts the oldest; a hit does not move a region). A layer larger than the store is copied every time.
+// `footprint`: what each layer takes in the store when that is more than the bytes it copies (a region
+// with scratch for dequantized weights); empty: the bytes.
 std::uint64_t replay_copies(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,
-                            const std::vector<bool>& resident, std::size_t capacity);
+                            const std::vector<bool>& resident, std::size_t capacity,
+                            const std::vector<std::size_t>& footprint = {});
 
 // The ring's size and the resident layers, chosen together from a sequence of uses (a step's, in the
 // order they came; `bytes` in first-use order). The ring and the resident copies share `room`. A ring too
@@ -34,7 +37,7 @@ std::uint64_t replay_copies(const std::vector<std::size_t>& bytes, const std::ve
 // ring on a tie. With fill 1 (the whole ring; a copy issued ahead of need takes the oldest region as a
 // copy on demand would) the replay picked the ring that the engine's measured bytes also found best, for
 // two budgets on the simulator with a checkpointed model (2026-11-30; estimates within 17% of the
-// measured bytes); with 2/3 it did not.
+// measured bytes); with 2/3 it did not. `footprint` as for replay_copies (resident copies take `bytes`).
 struct RingPlan {
   std::size_t ring_bytes = 0;
   std::vector<bool> resident;
@@ -42,6 +45,6 @@ struct RingPlan {
 };
 RingPlan plan_ring_and_residency(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,
                                  std::size_t room, const std::vector<std::size_t>& ring_sizes,
-                                 double fill = 1.0);
+                                 double fill = 1.0, const std::vector<std::size_t>& footprint = {});
 
 }  // namespace layerstream

@@ -19,6 +19,12 @@
 // begin_host_write(layer), which waits for copies still reading them and drops the stale device copy.
 // Pageable host blocks (when pinning was refused) are staged through pinned bounce buffers.
 //
+// Derived data: a layer registered with `device_extra` bytes gets that much scratch after its bytes in its
+// ring region (Lease::extra), which a reader may write between wait_ready and release (e.g. the weights it
+// dequantizes from the codes). The scratch lives as long as the region: Lease::fill names the copy that
+// filled the region, so a reader that finds the fill it derived from may use what it wrote there, on the
+// stream that wrote it. Resident copies have no scratch.
+//
 // Downloads: download() enqueues a D2H copy ordered after the producer stream's work so far and returns
 // a ticket; the device source and host destination must stay alive and untouched until wait_download()
 // or sync_downloads() has returned.
@@ -44,6 +50,12 @@ namespace layerstream {
 
 using LayerId = std::uint64_t;
 
+// Where a layer's scratch starts in its ring region (right after its bytes, at the ring's alignment), and
+// so how much of the ring the layer takes: scratch_offset(...) + extra.
+inline std::size_t scratch_offset(std::size_t bytes, std::size_t extra, std::size_t alignment) {
+  return extra == 0 ? bytes : (bytes + alignment - 1) / alignment * alignment;
+}
+
 struct EngineOptions {
   // Bytes of device memory for the ring; must hold the largest layer (and, for overlap, several).
   std::size_t ring_bytes = std::size_t{256} << 20;
@@ -66,6 +78,12 @@ struct Lease {
   std::size_t bytes = 0;
   EventHandle ready;         // the copy's completion; wait_ready() waits on it
   bool copied = false;       // false when served from bytes already in the ring
+  // The region's scratch (add_external_layer's device_extra; nullptr for a resident layer or none asked),
+  // and the number of the copy that filled the region: unique in the process, new for every copy into a
+  // newly placed region or a resident buffer, unchanged while the bytes (and the scratch) stay put.
+  void* extra = nullptr;
+  std::size_t extra_bytes = 0;
+  std::uint64_t fill = 0;
 };
 
 struct EngineStats {
@@ -110,7 +128,10 @@ class TransferEngine {
   LayerId add_layer(std::size_t bytes);
   // Registers a layer whose host bytes the caller owns (e.g. an arena block shared with tensors that view
   // it). The caller keeps them alive and unchanged until remove_layer() or begin_host_write() returns.
-  LayerId add_external_layer(const HostBlock& block);
+  // `device_extra`: bytes of scratch after the layer's bytes in its ring region (see "Derived data").
+  LayerId add_external_layer(const HostBlock& block, std::size_t device_extra = 0);
+  // Bytes a layer takes in the ring: its packed bytes, plus its scratch at the ring's alignment.
+  std::size_t device_bytes(LayerId layer) const;
   // Forgets a layer: waits for copies reading its host bytes, drops its ring region, frees its block.
   // Throws InvalidArgument while a lease on it is outstanding.
   void remove_layer(LayerId layer);
@@ -155,6 +176,10 @@ class TransferEngine {
     RegionId region = 0; // 0: not in the ring
     int leases = 0;
     bool owned = true;   // block allocated from arena_ (freed by remove_layer)
+    std::size_t extra = 0;           // scratch bytes after the block in a ring region
+    std::size_t extra_offset = 0;    // where the scratch starts in the region (block bytes, aligned)
+    std::uint64_t fill = 0;          // the copy that filled the ring region (Lease::fill)
+    std::uint64_t resident_fill = 0;
     bool prefetched_unused = false;
     // Residency: a device copy of its own, never evicted by the ring.
     DeviceBuffer resident;
@@ -191,7 +216,8 @@ class TransferEngine {
   std::vector<Event> bounce_done_;
   std::size_t next_bounce_ = 0;
   mutable std::mutex mu_;
-  LayerId add_locked(const HostBlock& block, bool owned);
+  LayerId add_locked(const HostBlock& block, bool owned, std::size_t extra);
+  static std::size_t footprint(const Layer& layer) { return layer.extra_offset + layer.extra; }
 
   LayerId next_layer_ = 1;
   std::unordered_map<LayerId, Layer> layers_;

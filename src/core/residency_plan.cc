@@ -31,9 +31,13 @@ std::vector<bool> spread_residency(const std::vector<std::size_t>& bytes, std::s
 }
 
 std::uint64_t replay_copies(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,
-                            const std::vector<bool>& resident, std::size_t capacity) {
+                            const std::vector<bool>& resident, std::size_t capacity,
+                            const std::vector<std::size_t>& footprint) {
   LS_CHECK_ARG(resident.size() == bytes.size(), "replay_copies: ", resident.size(), " residency flags for ",
                bytes.size(), " layers");
+  LS_CHECK_ARG(footprint.empty() || footprint.size() == bytes.size(), "replay_copies: ", footprint.size(),
+               " footprints for ", bytes.size(), " layers");
+  const std::vector<std::size_t>& held_by = footprint.empty() ? bytes : footprint;
   std::vector<bool> present(bytes.size(), false);
   std::deque<std::size_t> order;  // oldest first
   std::size_t held = 0;
@@ -42,21 +46,22 @@ std::uint64_t replay_copies(const std::vector<std::size_t>& bytes, const std::ve
     LS_CHECK_ARG(layer < bytes.size(), "replay_copies: use of layer ", layer, " of ", bytes.size());
     if (resident[layer] || present[layer]) continue;
     copied += bytes[layer];
-    if (bytes[layer] > capacity) continue;
-    while (held + bytes[layer] > capacity) {
+    if (held_by[layer] > capacity) continue;
+    while (held + held_by[layer] > capacity) {
       present[order.front()] = false;
-      held -= bytes[order.front()];
+      held -= held_by[order.front()];
       order.pop_front();
     }
     present[layer] = true;
-    held += bytes[layer];
+    held += held_by[layer];
     order.push_back(layer);
   }
   return copied;
 }
 
 RingPlan plan_ring_and_residency(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,
-                                 std::size_t room, const std::vector<std::size_t>& ring_sizes, double fill) {
+                                 std::size_t room, const std::vector<std::size_t>& ring_sizes, double fill,
+                                 const std::vector<std::size_t>& footprint) {
   LS_CHECK_ARG(!ring_sizes.empty(), "plan_ring_and_residency: no ring size to choose from");
   LS_CHECK_ARG(fill > 0 && fill <= 1, "plan_ring_and_residency: fill must be in (0, 1], got ", fill);
   RingPlan best;
@@ -67,7 +72,7 @@ RingPlan plan_ring_and_residency(const std::vector<std::size_t>& bytes, const st
     plan.ring_bytes = ring;
     plan.resident = spread_residency(bytes, room > ring ? room - ring : 0);
     plan.copied_bytes = replay_copies(bytes, uses, plan.resident,
-                                      static_cast<std::size_t>(static_cast<double>(ring) * fill));
+                                      static_cast<std::size_t>(static_cast<double>(ring) * fill), footprint);
     const bool better = !have || plan.copied_bytes < best.copied_bytes ||
                         (plan.copied_bytes == best.copied_bytes && ring < best.ring_bytes);
     if (better) {

@@ -3,11 +3,20 @@
 #include <chrono>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "layerstream/check.h"
 
 namespace layerstream {
+
+namespace {
+// Lease::fill numbers, unique in the process (a rebuilt engine must not repeat an old engine's).
+std::uint64_t next_fill() {
+  static std::atomic<std::uint64_t> counter{0};
+  return ++counter;
+}
+}  // namespace
 
 void EngineStats::add_counters(const EngineStats& other) {
   fetches += other.fetches;
@@ -78,25 +87,34 @@ LayerId TransferEngine::add_layer(std::size_t bytes) {
                " bytes; raise ring_bytes to at least the largest layer");
   HostBlock block = arena_.allocate(bytes);
   std::lock_guard<std::mutex> lock(mu_);
-  return add_locked(block, true);
+  return add_locked(block, true, 0);
 }
 
-LayerId TransferEngine::add_external_layer(const HostBlock& block) {
+LayerId TransferEngine::add_external_layer(const HostBlock& block, std::size_t device_extra) {
   LS_CHECK_ARG(block.data != nullptr && block.bytes > 0, "add_external_layer: empty host block");
-  LS_CHECK_ARG(block.bytes <= ring_.capacity(), "a layer of ", block.bytes,
-               " bytes does not fit the device ring of ", ring_.capacity(),
+  const std::size_t offset = scratch_offset(block.bytes, device_extra, options_.arena.alignment);
+  LS_CHECK_ARG(offset + device_extra <= ring_.capacity(), "a layer of ", block.bytes, " bytes",
+               device_extra != 0 ? detail::concat(" (and ", device_extra, " bytes of scratch)") : std::string(),
+               " does not fit the device ring of ", ring_.capacity(),
                " bytes; raise ring_bytes to at least the largest layer");
   std::lock_guard<std::mutex> lock(mu_);
-  return add_locked(block, false);
+  return add_locked(block, false, device_extra);
 }
 
-LayerId TransferEngine::add_locked(const HostBlock& block, bool owned) {
+LayerId TransferEngine::add_locked(const HostBlock& block, bool owned, std::size_t extra) {
   const LayerId id = next_layer_++;
   Layer& layer = layers_[id];
   layer.block = block;
   layer.copied = events_.take();
   layer.owned = owned;
+  layer.extra = extra;
+  layer.extra_offset = scratch_offset(block.bytes, extra, options_.arena.alignment);
   return id;
+}
+
+std::size_t TransferEngine::device_bytes(LayerId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return footprint(layer_locked(id));
 }
 
 void TransferEngine::discard_region_locked(Layer& layer) {
@@ -198,10 +216,12 @@ Lease TransferEngine::fetch(LayerId id) {
       ++stats_.copies_h2d;
       stats_.bytes_h2d += layer.block.bytes;
       layer.resident_stale = false;
+      layer.resident_fill = next_fill();
       lease.copied = true;
     }
     ++stats_.resident_hits;
     lease.data = layer.resident.data();
+    lease.fill = layer.resident_fill;
     lease.ticket = next_ticket_++;
     leases_.emplace(lease.ticket, Outstanding{id, 0});
     ++layer.leases;
@@ -213,13 +233,18 @@ Lease TransferEngine::fetch(LayerId id) {
     if (layer.prefetched_unused) ++stats_.prefetch_hits;
   } else {
     Eviction eviction;
-    layer.region = ring_.place(layer.block.bytes, id, eviction);
+    layer.region = ring_.place(footprint(layer), id, eviction);
     settle_eviction_locked(eviction);
     copy_layer_locked(layer);
     lease.copied = true;
   }
   layer.prefetched_unused = false;
   lease.data = ring_.info(layer.region).data;
+  lease.fill = layer.fill;
+  if (layer.extra != 0) {
+    lease.extra = static_cast<char*>(lease.data) + layer.extra_offset;
+    lease.extra_bytes = layer.extra;
+  }
   lease.ticket = next_ticket_++;
   leases_.emplace(lease.ticket, Outstanding{id, layer.region});
   ++layer.leases;
@@ -231,7 +256,7 @@ bool TransferEngine::prefetch(LayerId id) {
   Layer& layer = layer_locked(id);
   if (layer.resident.data() != nullptr || (layer.region != 0 && ring_.live(layer.region))) return false;
   Eviction eviction;
-  const RegionId region = ring_.try_place_unheld(layer.block.bytes, id, eviction);
+  const RegionId region = ring_.try_place_unheld(footprint(layer), id, eviction);
   if (region == 0) return false;  // held regions leave no room now; the fetch will copy on demand
   layer.region = region;
   settle_eviction_locked(eviction);
@@ -255,6 +280,7 @@ bool TransferEngine::make_resident(LayerId id) {
   ++stats_.copies_h2d;
   stats_.bytes_h2d += layer.block.bytes;
   layer.resident_stale = false;
+  layer.resident_fill = next_fill();
   if (layer.leases == 0) discard_region_locked(layer);  // its ring copy is not needed any more
   ++stats_.resident_layers;
   stats_.resident_bytes += layer.block.bytes;
@@ -307,6 +333,7 @@ void TransferEngine::settle_eviction_locked(Eviction& eviction) {
 
 void TransferEngine::copy_layer_locked(Layer& layer) {
   copy_in_locked(layer, ring_.info(layer.region).data);
+  layer.fill = next_fill();
   layer.copied.record(h2d_.get());
   ++stats_.copies_h2d;
   stats_.bytes_h2d += layer.block.bytes;

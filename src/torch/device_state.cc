@@ -172,8 +172,9 @@ std::vector<std::shared_ptr<DeviceState>> DeviceState::live() {
 std::size_t DeviceState::ring_bytes_for(std::size_t layer_bytes) const {
   const std::size_t aligned = ring_unit(layer_bytes);
   // Three of the largest layer guarantee room for the next one wherever the held one sits, with
-  // headroom for reuse; on a GPU at least 512 MiB, so that a block's layers stay resident together.
-  const std::size_t floor = mode_ == Mode::kCuda ? 512 * kMiB : 0;
+  // headroom for reuse; on a GPU at least 512 MiB, so that a block's layers stay resident together (more
+  // when layers carry scratch for their dequantized weights: by as much as it adds to a layer).
+  const std::size_t floor = mode_ == Mode::kCuda ? 512 * kMiB / 1000 * ring_expansion_permille_.load() : 0;
   const std::size_t wanted = env_mib("LAYERSTREAM_RING_MB", std::max(3 * aligned, floor));
   LS_CHECK_ARG(wanted >= aligned, "LAYERSTREAM_RING_MB is ", wanted / kMiB,
                " MiB, smaller than a layer of ", layer_bytes, " bytes; raise it to at least ",
@@ -237,7 +238,8 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
   } catch (const OutOfDeviceMemory& e) {
     throw OutOfDeviceMemory(detail::concat(
         "layerstream could not allocate its device ring of ", options.ring_bytes / kMiB, " MiB on ", describe(),
-        " (LAYERSTREAM_RING_MB; by default 3x the largest layer, at least 512 MiB on a GPU; this model's "
+        " (LAYERSTREAM_RING_MB; by default 3x the largest layer, at least 512 MiB on a GPU, more for quantized "
+        "layers; this model's "
         "largest layer needs ", (layer_bytes + kMiB - 1) / kMiB, " MiB): ", e.what(),
         ". Free device memory, or set LAYERSTREAM_RING_MB lower, then call the layer again"));
   }
@@ -309,7 +311,7 @@ void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now) {
   std::size_t planned = 0;
   for (LayerId next : predictor_.predict(kLookahead)) {
     if (next == layer) continue;
-    const std::optional<std::size_t> bytes = layer_bytes_locked(next);
+    const std::optional<std::size_t> bytes = layer_bytes_locked(next, /*in_ring=*/true);
     if (!bytes) break;  // that layer is gone (freed model): the prediction is stale
     planned += *bytes;
     if (planned > budget) break;
@@ -329,9 +331,9 @@ void DeviceState::consider_residency(TransferEngine& engine, LayerId layer, std:
   engine.make_resident(layer);  // false (no device room) leaves it streaming
 }
 
-std::optional<std::size_t> DeviceState::layer_bytes_locked(LayerId layer) const {
+std::optional<std::size_t> DeviceState::layer_bytes_locked(LayerId layer, bool in_ring) const {
   try {
-    return engine_->host_block(layer).bytes;
+    return in_ring ? engine_->device_bytes(layer) : engine_->host_block(layer).bytes;
   } catch (const InvalidArgument&) {
     return std::nullopt;  // no longer in the engine (its model was freed)
   }
@@ -345,15 +347,18 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
   const std::size_t others = view.peak > ring ? view.peak - ring : 0;
   const std::size_t room = view.limit > others + headroom ? view.limit - others - headroom : 0;
   std::vector<LayerId> ids;
-  std::vector<std::size_t> sizes;
+  std::vector<std::size_t> sizes, footprints;  // copied and resident bytes; what each takes in the ring
   std::unordered_map<LayerId, std::size_t> index;
   std::size_t largest = 0;
   for (LayerId id : first_uses_) {
-    if (const std::optional<std::size_t> bytes = layer_bytes_locked(id)) {  // nullopt: freed since
+    const std::optional<std::size_t> bytes = layer_bytes_locked(id, false);
+    const std::optional<std::size_t> in_ring = layer_bytes_locked(id, true);
+    if (bytes && in_ring) {  // nullopt: freed since
       index.emplace(id, ids.size());
       ids.push_back(id);
       sizes.push_back(*bytes);
-      largest = std::max(largest, *bytes);
+      footprints.push_back(*in_ring);
+      largest = std::max(largest, *in_ring);
     }
   }
   std::vector<std::size_t> uses;
@@ -369,8 +374,8 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
       if (k * ring_unit(largest) > ring) rings.push_back(k * ring_unit(largest));
     }
   }
-  const RingPlan stay = plan_ring_and_residency(sizes, uses, room, {ring});
-  RingPlan plan = plan_ring_and_residency(sizes, uses, room, rings);
+  const RingPlan stay = plan_ring_and_residency(sizes, uses, room, {ring}, 1.0, footprints);
+  RingPlan plan = plan_ring_and_residency(sizes, uses, room, rings, 1.0, footprints);
   // Another ring only for a clear saving (the estimate is a model of the ring, and a rebuild costs a
   // stall and the resident copies again).
   if (plan.ring_bytes != ring && !(plan.copied_bytes < stay.copied_bytes / 100 * 97)) plan = stay;
@@ -457,6 +462,9 @@ StateStats DeviceState::stats() {
   s.engine.add_counters(retired_);
   s.engine.arena = pool_->arena->stats();
   s.engines_built = engines_built_;
+  s.dequant_into_scratch = dequant_counts_[static_cast<int>(DequantUse::kIntoScratch)];
+  s.dequant_reused = dequant_counts_[static_cast<int>(DequantUse::kReused)];
+  s.dequant_own_memory = dequant_counts_[static_cast<int>(DequantUse::kOwnMemory)];
   s.predictor = predictor_.stats();
   s.vram_budget_planned = budget_planned_;
   s.vram_budget_room = budget_room_;

@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -77,8 +78,16 @@ struct VramBudget {
   static VramBudget parse(const char* text);  // throws InvalidArgument with the accepted forms
 };
 
+// How a quantized layer's weight was dequantized for one use: into its ring region's scratch, found there
+// from an earlier use of the same copy, or into memory of its own (torch's allocator: resident layers,
+// layouts the core does not take, a second stream).
+enum class DequantUse { kIntoScratch, kReused, kOwnMemory };
+
 struct StateStats {
   EngineStats engine;
+  std::uint64_t dequant_into_scratch = 0;
+  std::uint64_t dequant_reused = 0;
+  std::uint64_t dequant_own_memory = 0;
   PredictorStats predictor;
   std::uint64_t engines_built = 0;
   std::uint64_t sim_races = 0;  // sim mode: unordered accesses the race checker found
@@ -103,10 +112,11 @@ class DeviceState {
   TransferEngine& engine_for(std::size_t layer_bytes);
   // A layer of `bytes` packed bytes was attached: the engine built at the first call sizes its ring for
   // the largest of them (so the ring need not grow, a rebuild, as larger layers come along).
-  void note_attached(std::size_t bytes) {
-    std::size_t seen = largest_attached_.load();
-    while (bytes > seen && !largest_attached_.compare_exchange_weak(seen, bytes)) {
-    }
+  // `device_bytes`: what it takes in the ring, its scratch included (a quantized layer's dequantized
+  // weight): the ring's floor grows by the same factor, so that it still looks as far ahead in copies.
+  void note_attached(std::size_t bytes, std::size_t device_bytes) {
+    raise_to(largest_attached_, device_bytes);
+    raise_to(ring_expansion_permille_, device_bytes * 1000 / std::max<std::size_t>(bytes, 1));
   }
   // The engine as it is (nullptr before the first streamed call), never building one.
   TransferEngine* current_engine();
@@ -140,6 +150,7 @@ class DeviceState {
   // True the first time it is called for autograd graph task `task` (since another task claimed it):
   // the caller then queues the end-of-backward join, the others need not.
   bool claim_end_of_backward_join(int task) { return join_task_.exchange(task) != task; }
+  void note_dequant(DequantUse use) { ++dequant_counts_[static_cast<int>(use)]; }
   StateStats stats();
   std::string describe() const;
 
@@ -157,9 +168,16 @@ class DeviceState {
   std::unique_ptr<TransferEngine> engine_;
   std::uint64_t generation_ = 0;
   std::uint64_t engines_built_ = 0;
+  std::array<std::atomic<std::uint64_t>, 3> dequant_counts_{};  // by DequantUse
   EngineStats retired_;  // counters of engines replaced by a larger one
   bool prefetch_ = true;
   std::atomic<std::size_t> largest_attached_{0};
+  std::atomic<std::size_t> ring_expansion_permille_{1000};  // largest device_bytes / bytes of a layer, x1000
+  static void raise_to(std::atomic<std::size_t>& value, std::size_t to) {
+    std::size_t seen = value.load();
+    while (to > seen && !value.compare_exchange_weak(seen, to)) {
+    }
+  }
   std::size_t resident_budget_ = 0;  // LAYERSTREAM_RESIDENT_MB
   VramBudget vram_budget_;           // LAYERSTREAM_VRAM_BUDGET
   bool budget_planned_ = false;
@@ -176,7 +194,9 @@ class DeviceState {
   void observe_and_prefetch(LayerId layer, bool& plan_now);  // takes mu_
   DeviceMemoryView memory_view();
   std::string apply_vram_budget_locked(const DeviceMemoryView& view);  // the line to log
-  std::optional<std::size_t> layer_bytes_locked(LayerId layer) const;  // nullopt: removed from the engine
+  // A layer's packed bytes, or with in_ring what it takes in the ring (its scratch too); nullopt: removed
+  // from the engine.
+  std::optional<std::size_t> layer_bytes_locked(LayerId layer, bool in_ring) const;
   AccessPredictor predictor_;
   std::uint64_t predictor_generation_ = 0;  // the engine generation whose layer ids it has seen
   std::vector<c10::Storage> downloads_in_flight_;  // memory the pending downloads read or write

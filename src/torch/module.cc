@@ -500,6 +500,11 @@ py::dict stats_dict(const StateStats& s) {
   d["predicted_uses"] = s.predictor.predicted;
   d["predicted_correctly"] = s.predictor.correct;
   d["sim_races"] = s.sim_races;
+  // Quantized layers: dequantized into the ring region's scratch, found there again, or into memory of
+  // their own (resident layers, layouts the kernel does not take).
+  d["dequant_into_scratch"] = s.dequant_into_scratch;
+  d["dequant_reused"] = s.dequant_reused;
+  d["dequant_own_memory"] = s.dequant_own_memory;
   d["resident_hits"] = s.engine.resident_hits;
   d["resident_layers"] = s.engine.resident_layers;
   d["resident_bytes"] = s.engine.resident_bytes;

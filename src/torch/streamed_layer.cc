@@ -189,6 +189,12 @@ bool per_row_or_single(c10::IntArrayRef scale_sizes, c10::IntArrayRef codes_size
 
 double float8_max(at::ScalarType t) { return t == at::kFloat8_e4m3fn ? 448.0 : 57344.0; }
 
+// What a layer of `bytes` with `scratch` bytes of scratch takes in the ring (the engine's default alignment,
+// which the device state's engines use).
+std::size_t device_bytes(std::size_t bytes, std::size_t scratch) {
+  return scratch_offset(bytes, scratch, EngineOptions{}.arena.alignment) + scratch;
+}
+
 // A view of one packed tensor at `base` (host or device memory); `keep` runs when the view's storage goes.
 at::Tensor view_of(char* base, const StreamedLayer::Packed& p, at::Device where,
                    std::function<void(void*)> keep = [](void*) {}) {
@@ -273,10 +279,11 @@ void StreamedLayer::install(std::shared_ptr<HostBlockRef> block, Packed w, Packe
   id_ = 0;
   generation_ = 0;
   block_ = std::move(block);
-  state_->note_attached(block_->block().bytes);  // the first ring is sized for the largest one
   weight_ = std::move(w);
   bias_ = std::move(b);
   quant_ = std::move(q);
+  // The first ring is sized for the largest layer, its scratch included.
+  state_->note_attached(block_->block().bytes, device_bytes(block_->block().bytes, scratch_bytes_locked()));
 }
 
 namespace {
@@ -456,42 +463,63 @@ void StreamedLayer::refresh(const at::Tensor& weight, const at::Tensor& bias) {
   if (compress_now || expand_now || unshare_now || !is_current(weight, bias)) pack(weight, bias);
 }
 
-at::Tensor dequantize_codes(const at::Tensor& codes, const at::Tensor& scale, at::ScalarType math,
-                            at::ScalarType result, bool use_core) {
-  LS_CHECK_ARG(codes.device() == scale.device(), "codes and scale must be on one device, not ", codes.device(),
-               " and ", scale.device());
+namespace {
+
+// The core's description of a dequantization, when it can do this one: supported codes, scale, math
+// and result types, contiguous tensors, and a kernel for where they are (the fused CUDA kernel needs a
+// CUDA build of both the core and the glue; host tensors take the host reference).
+std::optional<DequantSpec> core_dequant_spec(const at::Tensor& codes, const at::Tensor& scale, at::ScalarType math,
+                                             at::ScalarType result) {
+#if !(defined(LAYERSTREAM_WITH_CUDA) && defined(LAYERSTREAM_TORCH_CUDA))
+  if (codes.is_cuda()) return std::nullopt;
+#endif
   const auto code = code_type_of(codes.scalar_type());
   const auto scale_type = real_type_of(scale.scalar_type());
   const auto math_type = real_type_of(math);
   const auto result_type = real_type_of(result);
-  const bool fits = quantized_layout_supported(codes, scale) && math_type && result_type &&
-                    (math == at::kFloat || math == scale.scalar_type()) && codes.is_contiguous() &&
-                    scale.is_contiguous();
-  const bool on_cuda = codes.is_cuda();
-#ifndef LAYERSTREAM_WITH_CUDA
-  use_core = use_core && !on_cuda;
+  if (!(quantized_layout_supported(codes, scale) && math_type && result_type &&
+        (math == at::kFloat || math == scale.scalar_type()) && codes.is_contiguous() && scale.is_contiguous())) {
+    return std::nullopt;
+  }
+  DequantSpec spec;
+  spec.code = *code;
+  spec.scale = *scale_type;
+  spec.math = *math_type;
+  spec.out = *result_type;
+  spec.rows = static_cast<std::size_t>(codes.size(0));
+  spec.cols = static_cast<std::size_t>(codes.numel() / codes.size(0));
+  spec.per_row = scale.numel() != 1;
+  return spec;
+}
+
+// Runs `spec` into `out` (contiguous, codes' shape, on codes' device): the kernel on torch's current
+// stream of that device (the stream the layer computes on), or the host reference.
+void run_core_dequant(const DequantSpec& spec, const at::Tensor& codes, const at::Tensor& scale, at::Tensor& out) {
+  if (!codes.is_cuda()) {
+    dequantize_host(spec, codes.data_ptr(), scale.data_ptr(), out.data_ptr());
+    return;
+  }
+#if defined(LAYERSTREAM_WITH_CUDA) && defined(LAYERSTREAM_TORCH_CUDA)
+  const c10::cuda::CUDAGuard guard(codes.device().index());
+  dequantize_cuda(spec, codes.data_ptr(), scale.data_ptr(), out.data_ptr(),
+                  c10::cuda::getCurrentCUDAStream(codes.device().index()).stream());
+#else
+  LS_CHECK(false, "internal: no dequantization kernel in this build");
 #endif
-  if (fits && use_core) {
-    DequantSpec spec;
-    spec.code = *code;
-    spec.scale = *scale_type;
-    spec.math = *math_type;
-    spec.out = *result_type;
-    spec.rows = static_cast<std::size_t>(codes.size(0));
-    spec.cols = static_cast<std::size_t>(codes.numel() / codes.size(0));
-    spec.per_row = scale.numel() != 1;
-    at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(result));
-    if (!on_cuda) {
-      dequantize_host(spec, codes.data_ptr(), scale.data_ptr(), out.data_ptr());
+}
+
+}  // namespace
+
+at::Tensor dequantize_codes(const at::Tensor& codes, const at::Tensor& scale, at::ScalarType math,
+                            at::ScalarType result, bool use_core) {
+  LS_CHECK_ARG(codes.device() == scale.device(), "codes and scale must be on one device, not ", codes.device(),
+               " and ", scale.device());
+  if (use_core) {
+    if (const std::optional<DequantSpec> spec = core_dequant_spec(codes, scale, math, result)) {
+      at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(result));
+      run_core_dequant(*spec, codes, scale, out);
       return out;
     }
-#if defined(LAYERSTREAM_WITH_CUDA) && defined(LAYERSTREAM_TORCH_CUDA)
-    // On torch's current stream of the codes' device (the stream the layer computes on).
-    const c10::cuda::CUDAGuard guard(codes.device().index());
-    dequantize_cuda(spec, codes.data_ptr(), scale.data_ptr(), out.data_ptr(),
-                    c10::cuda::getCurrentCUDAStream(codes.device().index()).stream());
-    return out;
-#endif
   }
   // The same formula with torch operations.
   return (codes.to(math) * scale.to(math)).to(result);
@@ -502,6 +530,34 @@ at::Tensor StreamedLayer::dequantize(const at::Tensor& codes, const at::Tensor& 
   // routine the CUDA kernel mirrors. A CPU process device uses torch operations (upstream's math).
   const bool use_core = on_device || state_->mode() == Mode::kSim;
   return dequantize_codes(codes, scale, quant_->math, quant_->result, use_core);
+}
+
+at::Tensor StreamedLayer::dequantize_in_scratch(const at::Tensor& codes, const at::Tensor& scale, const Lease& lease,
+                                                 at::Device where, StreamHandle consumer) {
+  const std::size_t bytes = static_cast<std::size_t>(codes.numel()) * c10::elementSize(quant_->result);
+  LS_CHECK(lease.extra_bytes >= bytes, "internal: scratch of ", lease.extra_bytes, " bytes for a weight of ", bytes);
+  at::Tensor out = at::from_blob(lease.extra, codes.sizes(), at::TensorOptions().dtype(quant_->result).device(where));
+  const bool on_host = where.is_cpu();
+  std::lock_guard<std::mutex> lock(scratch_mu_);
+  if (lease.fill == scratch_fill_ && consumer.raw == scratch_stream_) {  // this copy, dequantized on this stream
+    if (on_host) state_->backend().annotate_host_access(lease.extra, bytes, false);
+    state_->note_dequant(DequantUse::kReused);
+    return out;
+  }
+  if (lease.fill == scratch_fill_) {  // there, but written on another stream: do not touch it
+    state_->note_dequant(DequantUse::kOwnMemory);
+    return dequantize(codes, scale, !on_host);
+  }
+  // A new copy: its H2D copy waited for every earlier reader of this memory, and the consumer waited for
+  // the copy, so the write below is ordered after all of them.
+  const std::optional<DequantSpec> spec = core_dequant_spec(codes, scale, quant_->math, quant_->result);
+  LS_CHECK(spec.has_value(), "internal: scratch was asked for a weight the core cannot dequantize");
+  if (on_host) state_->backend().annotate_host_access(lease.extra, bytes, true);
+  run_core_dequant(*spec, codes, scale, out);
+  scratch_fill_ = lease.fill;
+  scratch_stream_ = consumer.raw;
+  state_->note_dequant(DequantUse::kIntoScratch);
+  return out;
 }
 
 at::Tensor StreamedLayer::compute_on_host(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const {
@@ -515,11 +571,24 @@ at::Tensor StreamedLayer::compute_on_host(const at::Tensor& x, const at::Tensor&
   return out.to(x.device());
 }
 
+std::size_t StreamedLayer::scratch_bytes_locked() const {
+  if (!quant_ || state_->mode() == Mode::kCpu) return 0;
+  // The device views have the host views' dtypes, sizes and strides: ask on the host ones, for the device.
+  const at::Tensor codes = view_of(block_->data(), weight_, at::kCPU);
+  const at::Tensor scale = view_of(block_->data(), quant_->scale, at::kCPU);
+  if (!core_dequant_spec(codes, scale, quant_->math, quant_->result)) return 0;
+#if !(defined(LAYERSTREAM_WITH_CUDA) && defined(LAYERSTREAM_TORCH_CUDA))
+  if (state_->mode() == Mode::kCuda) return 0;  // no kernel: torch operations, into memory of their own
+#endif
+  return static_cast<std::size_t>(codes.numel()) * c10::elementSize(quant_->result);
+}
+
 TransferEngine& StreamedLayer::registered_engine() {
   std::lock_guard<std::mutex> lock(mu_);
-  TransferEngine& engine = state_->engine_for(block_->block().bytes);
+  const std::size_t scratch = scratch_bytes_locked();
+  TransferEngine& engine = state_->engine_for(device_bytes(block_->block().bytes, scratch));
   if (id_ == 0 || generation_ != state_->generation()) {
-    id_ = engine.add_external_layer(block_->block());
+    id_ = engine.add_external_layer(block_->block(), scratch);
     generation_ = state_->generation();
     state_->consider_residency(engine, id_, block_->block().bytes);
   }
@@ -543,7 +612,7 @@ auto StreamedLayer::with_region(Fn&& fn) {
     } else {
       engine.wait_ready(lease, consumer);
     }
-    auto result = fn(view, on_host);
+    auto result = fn(view, on_host, lease, consumer);
     engine.release(lease, consumer);  // after every kernel that reads the region was enqueued
     return result;
   } catch (...) {
@@ -554,9 +623,15 @@ auto StreamedLayer::with_region(Fn&& fn) {
 
 template <typename Fn>
 auto StreamedLayer::with_device_weights(Fn&& fn) {
-  return with_region([&](const auto& view, bool on_host) {
+  return with_region([&](const auto& view, bool on_host, const Lease& lease, StreamHandle consumer) {
     at::Tensor w = view(weight_);
-    if (quant_) w = dequantize(w, view(quant_->scale), !on_host);
+    if (quant_ && lease.extra != nullptr) {
+      w = dequantize_in_scratch(w, view(quant_->scale), lease, on_host ? at::Device(at::kCPU) : state_->device(),
+                                consumer);
+    } else if (quant_) {
+      state_->note_dequant(DequantUse::kOwnMemory);
+      w = dequantize(w, view(quant_->scale), !on_host);
+    }
     return fn(w, view(bias_));
   });
 }
@@ -566,7 +641,7 @@ std::vector<at::Tensor> StreamedLayer::stage_tensors() {
   std::optional<c10::cuda::CUDAGuard> guard;
   if (state_->mode() == Mode::kCuda) guard.emplace(state_->device().index());
 #endif
-  return with_region([&](const auto& view, bool) {
+  return with_region([&](const auto& view, bool, const Lease&, StreamHandle) {
     std::vector<at::Tensor> out;
     out.reserve(tensors_.size());
     // Copies out of the ring: the region goes back as soon as they are enqueued.

@@ -142,12 +142,20 @@ class StreamedLayer : public torch::CustomClassHolder {
   // engine lets go of them). Caller holds mu_.
   void install(std::shared_ptr<HostBlockRef> block, Packed w, Packed b, std::optional<QuantParts> q);
   at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, bool on_device) const;
+  // The weight dequantized into the region's scratch (Lease::extra), or found there from an earlier use
+  // of the same copy on the same stream; a use on another stream while it is there dequantizes into
+  // memory of its own instead (the scratch is written only in the stream order of its readers).
+  at::Tensor dequantize_in_scratch(const at::Tensor& codes, const at::Tensor& scale, const Lease& lease,
+                                   at::Device where, StreamHandle consumer);
+  // Scratch to ask of the engine for this layer: its dequantized weight, where the core dequantizes it
+  // (a quantized layer on the simulator or on CUDA), else 0. Caller holds mu_.
+  std::size_t scratch_bytes_locked() const;
   // forward() and forward_frozen() after their checks: `weight` undefined for a quantized layer.
   at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
   at::Tensor compute_on_host(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const;
 
-  // Runs `fn(view, on_host)` with the layer's block fetched onto the device (view(packed) is the tensor
-  // at that place of the region) and releases the region after.
+  // Runs `fn(view, on_host, lease, consumer)` with the layer's block fetched onto the device
+  // (view(packed) is the tensor at that place of the region) and releases the region after.
   template <typename Fn>
   auto with_region(Fn&& fn);
   // Runs `fn(weight_view, bias_view)` (the weight dequantized when it is stored as codes).
@@ -170,6 +178,11 @@ class StreamedLayer : public torch::CustomClassHolder {
   bool compress_frozen_ = false;  // LAYERSTREAM_HOST_DTYPE was set when the layer was last packed
   std::uint64_t generation_ = 0;  // engine generation the layer is registered in
   LayerId id_ = 0;
+  // dequantize_in_scratch(): the copy (Lease::fill) whose codes the scratch holds dequantized, and the
+  // stream that wrote them. Guarded by scratch_mu_, held while the write is enqueued.
+  std::mutex scratch_mu_;
+  std::uint64_t scratch_fill_ = 0;
+  void* scratch_stream_ = nullptr;
 };
 
 }  // namespace layerstream::torchglue

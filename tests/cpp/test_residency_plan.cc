@@ -73,6 +73,26 @@ TEST(RingPlan, ReplayIsFirstInFirstOutAndAHitDoesNotRefresh) {
   EXPECT_THROW(replay_copies(bytes, {3}, none, 20), InvalidArgument);
 }
 
+// A layer with scratch (quantized codes and room for the weights dequantized from them) takes more of the
+// store than it copies: fewer such layers fit, and each copy still counts its bytes only.
+TEST(RingPlan, ReplayHoldsTheFootprintAndCountsTheBytes) {
+  const std::vector<std::size_t> bytes = {10, 10, 10}, footprint = {30, 30, 30};
+  const std::vector<bool> none(3, false);
+  EXPECT_EQ(replay_copies(bytes, {0, 1, 0}, none, 60), 20u);                // bytes: all three would fit
+  EXPECT_EQ(replay_copies(bytes, {0, 1, 2, 0}, none, 60, footprint), 40u);  // two fit: 2 evicts 0
+  EXPECT_EQ(replay_copies(bytes, {0, 1, 2, 0}, none, 90, footprint), 30u);
+  EXPECT_EQ(replay_copies(bytes, {0, 0}, none, 20, footprint), 20u);  // larger than the store: every time
+  EXPECT_THROW(replay_copies(bytes, {0}, none, 60, {30}), InvalidArgument);
+  // The plan: a 30-byte ring leaves 15 of the 45 for one resident layer (resident copies take the bytes);
+  // the other two take turns in a ring that holds one footprint, where their bytes alone would both fit.
+  const std::vector<std::size_t> uses = {0, 1, 2, 0, 1, 2};
+  const RingPlan plan = plan_ring_and_residency(bytes, uses, 45, {30, 60}, 1.0, footprint);
+  EXPECT_EQ(plan.ring_bytes, 30u);
+  EXPECT_EQ(std::count(plan.resident.begin(), plan.resident.end(), true), 1);
+  EXPECT_EQ(plan.copied_bytes, 40u);
+  EXPECT_EQ(plan_ring_and_residency(bytes, uses, 45, {30, 60}).copied_bytes, 20u);
+}
+
 // Four checkpointed blocks of three layers: forward, then per block from the last: recomputed forward
 // (a, b, c), backward (c, b, a).
 std::vector<std::size_t> checkpointed_step(std::size_t blocks, std::size_t per_block) {

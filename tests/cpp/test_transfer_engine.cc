@@ -210,6 +210,74 @@ TEST_P(TransferEngineTest, ResidentLayerIsCopiedOnceAndStaysFresh) {
   EXPECT_EQ(use(engine, a), host_bytes(engine, a));  // streams again
 }
 
+// A layer's scratch (what a reader derives from its bytes, e.g. dequantized weights) sits after its bytes
+// in the same region, is never overlapped by another layer's region, and keeps what the reader wrote
+// while the region stays put; Lease::fill says when it does (same fill) and when it does not (a new copy).
+TEST_P(TransferEngineTest, ScratchFollowsTheLayerAndFillNamesTheCopy) {
+  TransferEngine engine(backend(), small_options(1 << 16));
+  PinnedArena host(backend());
+  auto external = [&](std::size_t bytes, unsigned seed) {
+    HostBlock b = host.allocate(bytes);
+    auto* p = static_cast<unsigned char*>(b.data);
+    for (std::size_t i = 0; i < bytes; ++i) p[i] = static_cast<unsigned char>(i * 7u + seed);
+    return b;
+  };
+  const HostBlock block_a = external(1000, 1);
+  const LayerId a = engine.add_external_layer(block_a, 3000);
+  const LayerId b = engine.add_external_layer(external(31000, 2));
+  const LayerId c = engine.add_external_layer(external(31000, 3));
+  EXPECT_EQ(engine.device_bytes(a), 1024u + 3000u);  // the bytes at the ring's alignment, then the scratch
+  EXPECT_EQ(engine.device_bytes(b), 31000u);
+
+  const std::vector<unsigned char> derived(3000, 0x5A);
+  Lease first = engine.fetch(a);
+  engine.wait_ready(first, compute_.get());
+  ASSERT_NE(first.extra, nullptr);
+  EXPECT_EQ(static_cast<char*>(first.extra), static_cast<char*>(first.data) + 1024);
+  EXPECT_EQ(first.extra_bytes, 3000u);
+  EXPECT_NE(first.fill, 0u);
+  backend().memcpy_h2d_async(first.extra, derived.data(), derived.size(), compute_.get());
+  EXPECT_EQ(read_back(first.data, 1000, compute_.get()),
+            std::vector<unsigned char>(static_cast<unsigned char*>(block_a.data),
+                                       static_cast<unsigned char*>(block_a.data) + 1000));
+  engine.release(first, compute_.get());
+
+  Lease again = engine.fetch(a);  // still in the ring: same fill, the scratch as the reader left it
+  engine.wait_ready(again, compute_.get());
+  EXPECT_FALSE(again.copied);
+  EXPECT_EQ(again.fill, first.fill);
+  EXPECT_EQ(read_back(again.extra, 3000, compute_.get()), derived);
+  engine.release(again, compute_.get());
+
+  Lease lb;
+  use(engine, b, &lb);  // placed after a's scratch, not over it
+  EXPECT_GE(static_cast<char*>(lb.data), static_cast<char*>(first.extra) + 3000);
+  EXPECT_EQ(lb.extra, nullptr);
+  use(engine, c);  // the ring wraps: a's region (and its scratch) goes
+  Lease later;
+  EXPECT_EQ(use(engine, a, &later), std::vector<unsigned char>(static_cast<unsigned char*>(block_a.data),
+                                                              static_cast<unsigned char*>(block_a.data) + 1000));
+  EXPECT_TRUE(later.copied);
+  EXPECT_NE(later.fill, first.fill);
+
+  ASSERT_TRUE(engine.make_resident(a));  // resident copies hold the bytes only
+  Lease resident;
+  use(engine, a, &resident);
+  EXPECT_EQ(resident.extra, nullptr);
+  EXPECT_NE(resident.fill, later.fill);
+
+  // Bytes and scratch must fit the ring together.
+  try {
+    engine.add_external_layer(external(1000, 4), 1 << 16);
+    FAIL() << "a layer whose scratch does not fit the ring was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("bytes of scratch"), std::string::npos) << e.what();
+  }
+  engine.remove_layer(a), engine.remove_layer(b), engine.remove_layer(c);
+  backend().stream_synchronize(compute_.get());
+  if (sim() != nullptr) EXPECT_EQ(sim()->violation_count(), 0u);
+}
+
 LS_INSTANTIATE_ON_BACKENDS(TransferEngineTest);
 
 TEST(TransferEngineSim, ResidencyThatDoesNotFitIsRefusedAndNothingChanges) {

@@ -318,3 +318,91 @@ def test_a_replaced_weight_is_never_taken_for_the_one_it_replaced(engine, device
         layer._parameters["weight"] = None
         del old  # freed before the new one exists: its addresses are free to be handed out again
         layer.weight = torch.nn.Parameter(torch.randn(32, 32) * (i + 2), requires_grad=False)
+
+
+# ---- the dequantized weight in the ring region's scratch ------------------------------------------------
+
+
+def _dequant_counts() -> tuple[int, int, int]:
+    s = mm.stats()
+    return s["dequant_into_scratch"], s["dequant_reused"], s["dequant_own_memory"]
+
+
+def test_a_weight_is_dequantized_into_its_ring_region_once_per_copy(engine, device, monkeypatch):
+    """The codes' region carries room for the weight dequantized from them: a use of the same copy on the
+    same stream finds it there (no kernel, no allocation); a new copy (the region was evicted) is
+    dequantized again; every output is bitwise the library's."""
+    if engine == "cpu":
+        pytest.skip("the CPU process device dequantizes with torch operations (no ring)")
+    monkeypatch.setenv("LAYERSTREAM_RING_MB", "2")  # two of these layers (codes + scratch: 0.75 MiB each)
+    layers = []
+    for seed in range(4):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(512, 512)).to(torch.bfloat16)
+        quanto.quantize(model, weights=quanto.qfloat8)
+        quanto.freeze(model)
+        layers.append(model.requires_grad_(False)[0].to(device))
+    expected = {}
+    x = torch.randn(3, 512, dtype=torch.bfloat16, device=device)
+    for i, layer in enumerate(layers):
+        expected[i] = _reference(layer, x, False)
+        mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    before = _dequant_counts()
+    with torch.no_grad():
+        for i in (0, 1, 2, 3, 0, 0):  # 2 evicts 0, 3 evicts 1, 0 evicts 2 (a new copy), then 0 again
+            assert torch.equal(layers[i](x), expected[i]), i
+    after = _dequant_counts()
+    assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == (5, 1, 0)
+
+    # With autograd: the backward's fetch finds the forward's copy and its dequantized weight.
+    xg = x.detach().clone().requires_grad_(True)
+    out = layers[0](xg)
+    out.float().square().sum().backward()
+    xr = x.detach().clone().requires_grad_(True)
+    F.linear(xr, layers[0].weight.dequantize(), layers[0].bias).float().square().sum().backward()
+    assert torch.equal(xg.grad, xr.grad)
+    final = _dequant_counts()
+    assert (final[0] - after[0], final[1] - after[1], final[2] - after[2]) == (0, 2, 0)
+
+    if engine == "cuda":  # another stream must not read (or rewrite) what the first one wrote
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            got = layers[0](x)
+        torch.cuda.current_stream().wait_stream(side)
+        assert torch.equal(got, expected[0])
+        assert _dequant_counts()[2] == final[2] + 1
+
+
+def test_a_resident_quantized_layer_dequantizes_into_memory_of_its_own(engine, device, monkeypatch):
+    if engine == "cpu":
+        pytest.skip("the CPU process device has no engine")
+    monkeypatch.setenv("LAYERSTREAM_RESIDENT_MB", "64")
+    layer = _quanto_layer("qint8", torch.bfloat16, seed=9).to(device)
+    x = torch.randn(2, 64, dtype=torch.bfloat16, device=device)
+    expected = _reference(layer, x, False)
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    with torch.no_grad():
+        assert torch.equal(layer(x), expected)
+        assert torch.equal(layer(x), expected)
+    assert mm.stats()["resident_layers"] == 1
+    assert _dequant_counts() == (0, 0, 2)
+
+
+def test_the_ring_floor_grows_with_the_scratch_of_quantized_layers(engine, device):
+    """On a GPU the ring is at least 512 MiB so that prefetch looks ahead far enough; a quantized layer
+    takes its codes and its dequantized weight in the ring, and the floor grows by that factor."""
+    if engine != "cuda":
+        pytest.skip("the 512 MiB floor applies on a GPU only (the simulator's ring is 3x the largest layer)")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512)).to(torch.bfloat16)
+    quanto.quantize(model, weights=quanto.qfloat8)
+    quanto.freeze(model)
+    layer = model.requires_grad_(False)[0].to(device)
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    with torch.no_grad():
+        layer(torch.randn(2, 512, dtype=torch.bfloat16, device=device))
+    packed = layer._layer_memory_manager.packed_bytes
+    in_ring = _align(packed) + 512 * 512 * 2  # the codes' block, then the bf16 weight
+    mib = 1 << 20
+    assert mm.stats()["ring_bytes"] == max(3 * _align(in_ring), 512 * mib // 1000 * (in_ring * 1000 // packed))
