@@ -16,6 +16,7 @@
 #   rel, overhead  the first two of those alone
 #   quick  the quantized path's device tests, the ring-OOM test, the kernel's bandwidth, AI-Toolkit's real
 #          manager on CUDA and `race` (a short call, about 4 minutes)
+#   quanto FLUX.1-shaped with optimum-quanto qfloat8 weights in every mode: resident, stock, layerstream
 #   perf2  FLUX.2-shaped (32B) under a 24 GiB cap: stock vs layerstream (budget), and layerstream with float8
 #          host storage; the all-resident reference uncapped (a call of its own: about 9 minutes)
 #   ddp    (nvidia-h200-x2) two-rank DDP LoRA on the FLUX.1 shapes: shared host copy vs private vs one rank,
@@ -277,6 +278,18 @@ if want perf && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   for f in perf_bf16 perf_fp8 perf_cap $(for r in ${LAYERSTREAM_PERF_RINGS:-}; do echo "perf_ring$r"; done); do
     grep -E "^\| (resident|stock|layerstream)" "$OUT/$f.md" 2>/dev/null | sed "s/^/      $f /" >>"$OUT/summary.txt"
   done
+fi
+
+if want quanto && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
+  # The same quantized model in every mode: optimum-quanto qfloat8 on every block linear (AI-Toolkit's
+  # `quantize: true`), all-resident, stock (100% offloaded) and layerstream (the quantized path).
+  installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
+  AITK="${AI_TOOLKIT_DIR%%:*}"
+  step "FLUX.1-shaped, optimum-quanto qfloat8 weights: resident, stock, layerstream"
+  run quanto_flux1 python3 benchmarks/flux_bench.py --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --mode resident,stock,layerstream \
+    --quantize qfloat8 --aitk-dir "$AITK" --warmup 1 --steps 3 --md-out "$OUT/quanto_flux1.md" \
+    --json-out "$OUT/quanto_flux1.json"
+  grep -E "^\| (resident|stock|layerstream)" "$OUT/quanto_flux1.md" 2>/dev/null | sed "s/^/      /" >>"$OUT/summary.txt"
 fi
 
 if want perf2 && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
