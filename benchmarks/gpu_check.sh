@@ -285,11 +285,24 @@ if want quanto && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   # `quantize: true`), all-resident, stock (100% offloaded) and layerstream (the quantized path).
   installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
   AITK="${AI_TOOLKIT_DIR%%:*}"
-  step "FLUX.1-shaped, optimum-quanto qfloat8 weights: resident, stock, layerstream"
-  run quanto_flux1 python3 benchmarks/flux_bench.py --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --mode resident,stock,layerstream \
-    --quantize qfloat8 --aitk-dir "$AITK" --warmup 1 --steps 3 --md-out "$OUT/quanto_flux1.md" \
-    --json-out "$OUT/quanto_flux1.json"
-  grep -E "^\| (resident|stock|layerstream)" "$OUT/quanto_flux1.md" 2>/dev/null | sed "s/^/      /" >>"$OUT/summary.txt"
+  # LAYERSTREAM_QUANTO_RUNS: flux1 (default; about 5 minutes), flux2cap (FLUX.2 under a 24 GiB cap, stock
+  # and layerstream with the cap as its budget; a call of its own).
+  QRUNS=",${LAYERSTREAM_QUANTO_RUNS:-flux1},"
+  if [[ $QRUNS == *,flux1,* ]]; then
+    step "FLUX.1-shaped, optimum-quanto qfloat8 weights: resident, stock, layerstream"
+    run quanto_flux1 python3 benchmarks/flux_bench.py --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" \
+      --mode resident,stock,layerstream --quantize qfloat8 --aitk-dir "$AITK" --warmup 1 --steps 3 \
+      --md-out "$OUT/quanto_flux1.md" --json-out "$OUT/quanto_flux1.json"
+  fi
+  if [[ $QRUNS == *,flux2cap,* ]]; then
+    step "FLUX.2-shaped, optimum-quanto qfloat8 weights, 24 GiB cap: stock, layerstream (budget = cap)"
+    run quanto_flux2cap env LAYERSTREAM_VRAM_BUDGET=24GiB python3 benchmarks/flux_bench.py --preset flux2 \
+      --mode stock,layerstream --quantize qfloat8 --vram-cap-gb 24 --aitk-dir "$AITK" --warmup 1 --steps 3 \
+      --md-out "$OUT/quanto_flux2cap.md" --json-out "$OUT/quanto_flux2cap.json"
+  fi
+  for f in quanto_flux1 quanto_flux2cap; do
+    grep -E "^\| (resident|stock|layerstream)" "$OUT/$f.md" 2>/dev/null | sed "s/^/      $f /" >>"$OUT/summary.txt"
+  done
 fi
 
 if want perf2 && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
