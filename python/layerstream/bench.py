@@ -500,6 +500,31 @@ def profile_timeline(step, device: torch.device, png: Path, title: str) -> dict:
     return summary
 
 
+def phase_split(model, inputs, optimizer, sync_grads, device, stats) -> dict:
+    """One more step (not timed), synchronized between its forward and its backward: how long each took and,
+    where the engine reports them, the bytes each copied. With the resident run's phases this gives the
+    floor per phase (a forward that waits for the bus cannot lend its idle GPU to the backward)."""
+    def copied() -> int | None:
+        s = stats() if stats is not None else None
+        return None if s is None else s.get("bytes_h2d")
+
+    optimizer.zero_grad(set_to_none=True)
+    _sync(device)
+    b0, t0 = copied(), time.perf_counter()
+    loss = model(*inputs).float().pow(2).mean()
+    _sync(device)
+    b1, t1 = copied(), time.perf_counter()
+    loss.backward()
+    if sync_grads is not None:
+        sync_grads()
+    optimizer.step()
+    _sync(device)
+    b2, t2 = copied(), time.perf_counter()
+    both = None not in (b0, b1, b2)
+    return {"forward_s": t1 - t0, "backward_s": t2 - t1,
+            "forward_bytes": b1 - b0 if both else None, "backward_bytes": b2 - b1 if both else None}
+
+
 def layerstream_stats() -> dict | None:
     """layerstream's telemetry, or None while its manager_modules has no stats() yet."""
     try:
@@ -613,9 +638,11 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
               f"loss {losses[-1]:.6g}", flush=True)
 
     energy_end = nvml.energy_mj() if nvml is not None else None
-    # The engine's counters at the end of the timed steps: the profiled step below copies too, and counting it
+    # The engine's counters at the end of the timed steps: the steps below copy too, and counting them
     # would add a sixth step's bytes to five (seen: FLUX.1's bytes/step and floor read 6/5 of the truth).
     stats_end = layerstream_stats() if mode not in ("resident", "stock") else None
+    phases = phase_split(model, (img, txt, vec), optimizer, sync_grads, device,
+                         layerstream_stats if stats_end is not None else None)
     timeline = None
     if args.timeline_out and device.type == "cuda" and mode != "resident":
         # One more step (not timed) under the profiler: when the bus copied and when the GPU computed.
@@ -637,17 +664,20 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
         "lora_params": sum(p.numel() for p in network.parameters()), "build_s": build_s, "place_s": place_s,
         "peak_vram_allocated_bytes": None, "peak_vram_reserved_bytes": None, "peak_rss_bytes": peak_rss_bytes(),
         "pinned_bytes": None, "pinned_bytes_exact": None, "bytes_per_step": None, "engine_stats": None,
-        "joules_per_step": joules_per_step, "timeline": timeline,
+        "joules_per_step": joules_per_step, "timeline": timeline, "phases": phases,
     }
     if device.type == "cuda":
         row["peak_vram_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         row["peak_vram_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     if mode == "resident":
         row["pinned_bytes"] = row["pinned_bytes_exact"] = row["bytes_per_step"] = 0
+        row["phases"]["forward_bytes"] = row["phases"]["backward_bytes"] = 0
     elif mode == "stock":
         row["pinned_bytes"], row["pinned_bytes_exact"] = stock_pinned_bytes(managed)
         # The stock bounce fetches every managed layer at each call: forward, the checkpointed recompute, backward.
         row["bytes_per_step"] = (3 if args.checkpointing else 2) * managed_bytes
+        row["phases"]["forward_bytes"] = managed_bytes
+        row["phases"]["backward_bytes"] = (2 if args.checkpointing else 1) * managed_bytes
     else:
         stats = stats_end
         row["engine_stats"] = stats
@@ -678,7 +708,27 @@ def add_floors(rows: list[dict], h2d_bytes_per_s: float | None) -> float | None:
         bounds = [t for t in (t_compute, row["t_bus_s"]) if t is not None]
         row["floor_s"] = max(bounds) if bounds else None
         row["ratio_to_floor"] = row["s_per_step_mean"] / row["floor_s"] if row["floor_s"] else None
+        row["phase_floor_s"] = phase_floor(resident, row, h2d_bytes_per_s)
+        row["ratio_to_phase_floor"] = (row["s_per_step_mean"] / row["phase_floor_s"]
+                                       if row["phase_floor_s"] else None)
     return t_compute
+
+
+def phase_floor(resident: dict | None, row: dict, h2d_bytes_per_s: float | None) -> float | None:
+    """max(compute, bus) per phase, summed: the resident run's forward and backward (optimizer included)
+    times against the bytes this row copied in each. The forward is mostly copies with little compute and
+    the backward the other way round, so this bound is above max(T_compute, bytes / bandwidth)."""
+    ref, mine = (resident or {}).get("phases"), row.get("phases")
+    if not ref or not mine or not h2d_bytes_per_s:
+        return None
+    if mine.get("forward_bytes") is None or mine.get("backward_bytes") is None:
+        return None
+    # The phase step's resident compute, scaled to the timed steps' mean (the extra synchronize and one
+    # step's noise are not the steady state).
+    scale = resident["s_per_step_mean"] / (ref["forward_s"] + ref["backward_s"])
+    fwd, bwd = ref["forward_s"] * scale, ref["backward_s"] * scale
+    return (max(fwd, mine["forward_bytes"] / h2d_bytes_per_s) +
+            max(bwd, mine["backward_bytes"] / h2d_bytes_per_s))
 
 
 def _fmt(value, scale: float = 1.0, digits: int = 2) -> str:
@@ -688,12 +738,13 @@ def _fmt(value, scale: float = 1.0, digits: int = 2) -> str:
 def markdown_table(rows: list[dict]) -> str:
     lines = [
         "| mode | s/step mean (min) | peak VRAM GiB alloc / reserved | peak RSS GiB | pinned GiB (exact) "
-        "| GiB/step over bus | floor s | x floor | J/step | compute waited for copies ms/step | first loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| GiB/step over bus | floor s | x floor | phase floor s | x phase floor | J/step "
+        "| compute waited for copies ms/step | first loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['mode']} | {r['status']}: {r['reason']} | | | | | | | | | |")
+            lines.append(f"| {r['mode']} | {r['status']}: {r['reason']} | | | | | | | | | | | |")
             continue
         exact = "" if r["pinned_bytes_exact"] is None else f" ({_fmt(r['pinned_bytes_exact'], GiB)})"
         lines.append(
@@ -701,7 +752,8 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {_fmt(r['peak_vram_allocated_bytes'], GiB)} / {_fmt(r['peak_vram_reserved_bytes'], GiB)} "
             f"| {_fmt(r['peak_rss_bytes'], GiB)} | {_fmt(r['pinned_bytes'], GiB)}{exact} "
             f"| {_fmt(r['bytes_per_step'], GiB)} | {_fmt(r['floor_s'], digits=3)} "
-            f"| {_fmt(r['ratio_to_floor'])} | {_fmt(r.get('joules_per_step'), digits=0)} "
+            f"| {_fmt(r['ratio_to_floor'])} | {_fmt(r.get('phase_floor_s'), digits=3)} "
+            f"| {_fmt(r.get('ratio_to_phase_floor'))} | {_fmt(r.get('joules_per_step'), digits=0)} "
             f"| {_fmt(r.get('copy_wait_ms_per_step'), digits=1)} | {r['losses'][0]:.6g} |"
         )
     return "\n".join(lines)
@@ -723,7 +775,9 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
     table = markdown_table(rows)
     summary = (
         f"pinned H2D: {_fmt(h2d_bytes_per_s, 1e9)} GB/s (1 GB = 1e9 B); T_compute: {_fmt(t_compute, digits=3)} s; "
-        "floor = max(T_compute, bytes over the bus / bandwidth); x floor uses the mean step time"
+        "floor = max(T_compute, bytes over the bus / bandwidth); phase floor = the same per phase (forward; "
+        "backward with the optimizer), summed, from one more step synchronized between them; x floor uses the "
+        "mean step time"
     )
     print()
     print(table)

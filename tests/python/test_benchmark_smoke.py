@@ -59,6 +59,14 @@ def test_flux2_shapes_and_options_run_in_one_call(tmp_path):
     resident, streamed = rows["bf16"]
     assert (resident["mode"], streamed["mode"]) == ("resident", "layerstream")
     assert streamed["losses"] == resident["losses"]  # the simulator computes exactly what resident does
+    # The phase step splits a step's copies between its forward and its backward (the checkpointed
+    # recompute and the backward share theirs); resident copies nothing.
+    phases = streamed["phases"]
+    assert phases["forward_bytes"] > 0 and phases["backward_bytes"] > 0
+    # One more step than the timed one: its copies differ by what the predictor learned meanwhile (seen:
+    # 3% fewer).
+    assert phases["forward_bytes"] + phases["backward_bytes"] == pytest.approx(streamed["bytes_per_step"], rel=0.05)
+    assert resident["phases"]["forward_bytes"] == resident["phases"]["backward_bytes"] == 0
     # float8 host storage moves about half the bytes of bf16 per step (codes + a float32 scale per row).
     ratio = rows["host-float8"][0]["bytes_per_step"] / streamed["bytes_per_step"]
     assert 0.5 <= ratio < 0.53, ratio
@@ -81,3 +89,17 @@ def test_plot_script_draws_the_recorded_benchmark(tmp_path):
     failed = subprocess.run([sys.executable, str(repo / "benchmarks" / "plot_bench.py"), str(empty)],
                             capture_output=True, text=True)
     assert failed.returncode != 0 and "no successful rows" in failed.stderr
+
+
+def test_the_phase_floor_is_the_sum_of_each_phases_bound():
+    """max(compute, bus) per phase, summed, with the resident phases scaled to the resident mean step."""
+    from layerstream.bench import phase_floor
+
+    resident = {"s_per_step_mean": 1.2, "phases": {"forward_s": 0.2, "backward_s": 0.4}}  # scaled x2
+    row = {"phases": {"forward_bytes": 1e9, "backward_bytes": 1e9}}
+    assert phase_floor(resident, row, 1e10) == pytest.approx(0.4 + 0.8)   # compute-bound in both
+    assert phase_floor(resident, row, 2e9) == pytest.approx(0.5 + 0.8)    # the forward waits for the bus
+    assert phase_floor(resident, row, 1e9) == pytest.approx(1.0 + 1.0)    # both wait
+    assert phase_floor(None, row, 1e9) is None
+    assert phase_floor(resident, row, None) is None
+    assert phase_floor(resident, {"phases": {"forward_bytes": None, "backward_bytes": 1}}, 1e9) is None
