@@ -264,12 +264,15 @@ if want perf && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   run perf_bf16 python3 benchmarks/flux_bench.py --preset flux1 --mode resident,layerstream --aitk-dir "$AITK" \
     --timeline-out "$OUT/flux1-timeline.png" --md-out "$OUT/perf_bf16.md" --json-out "$OUT/perf_bf16.json"
   step "the same, layerstream with float8 host storage (LAYERSTREAM_HOST_DTYPE=float8_e4m3fn)"
+  # The runs without a resident row take the floors' compute times from the first one.
+  REF=(); [[ -s $OUT/perf_bf16.json ]] && REF=(--reference-json "$OUT/perf_bf16.json")
   run perf_fp8 python3 benchmarks/flux_bench.py --preset flux1 --mode layerstream --host-dtype float8_e4m3fn \
-    --aitk-dir "$AITK" --md-out "$OUT/perf_fp8.md" --json-out "$OUT/perf_fp8.json"
+    --aitk-dir "$AITK" "${REF[@]}" --md-out "$OUT/perf_fp8.md" --json-out "$OUT/perf_fp8.json"
   step "under a 24 GiB cap: stock (100% offloaded) and layerstream with LAYERSTREAM_VRAM_BUDGET=24GiB"
   # LAYERSTREAM_PERF_BUDGET=auto: the budget read from the cap (needs torch's get_per_process_memory_fraction).
   run perf_cap env LAYERSTREAM_VRAM_BUDGET="${LAYERSTREAM_PERF_BUDGET:-24GiB}" python3 benchmarks/flux_bench.py --preset flux1 \
-    --mode stock,layerstream --vram-cap-gb 24 --aitk-dir "$AITK" --md-out "$OUT/perf_cap.md" --json-out "$OUT/perf_cap.json"
+    --mode stock,layerstream --vram-cap-gb 24 --aitk-dir "$AITK" "${REF[@]}" --md-out "$OUT/perf_cap.md" \
+    --json-out "$OUT/perf_cap.json"
   # Optional: the bf16 streamed run again with larger rings (deeper prefetch; a double-stream block whole).
   for ring in ${LAYERSTREAM_PERF_RINGS:-}; do
     run "perf_ring$ring" env LAYERSTREAM_RING_MB="$ring" python3 benchmarks/flux_bench.py --preset flux1 \
@@ -316,6 +319,8 @@ if want perf2 && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   step "FLUX.2-shaped (32B): runs ${RUNS}"
   [[ $RUNS == *,resident,* ]] && run perf2_resident "${F2[@]}" --mode resident \
     --md-out "$OUT/perf2_resident.md" --json-out "$OUT/perf2_resident.json"
+  # The capped runs take the floors' compute times from the resident run when it ran first here.
+  [[ -s $OUT/perf2_resident.json ]] && F2+=(--reference-json "$OUT/perf2_resident.json")
   [[ $RUNS == *,cap,* ]] && run perf2_cap env LAYERSTREAM_VRAM_BUDGET=24GiB "${F2[@]}" --mode stock,layerstream \
     --vram-cap-gb 24 --timeline-out "$OUT/flux2-timeline.png" --md-out "$OUT/perf2_cap.md" --json-out "$OUT/perf2_cap.json"
   [[ $RUNS == *,fp8,* ]] && run perf2_fp8 env LAYERSTREAM_VRAM_BUDGET=24GiB "${F2[@]}" --mode layerstream \

@@ -695,10 +695,24 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def add_floors(rows: list[dict], h2d_bytes_per_s: float | None) -> float | None:
+def reference_row(path: str | None) -> dict | None:
+    """The resident row of an earlier run's --json-out (the same preset and settings, uncapped), for the
+    floors of a run without one; a file without one is a ValueError."""
+    if not path:
+        return None
+    rows = json.loads(Path(path).read_text())["results"]
+    row = next((r for r in rows if r.get("mode") == "resident" and r.get("status") == "ok"), None)
+    if row is None:
+        raise ValueError(f"--reference-json {path}: no finished resident row in it; give the --json-out of a run "
+                         "with --mode resident")
+    return row
+
+
+def add_floors(rows: list[dict], h2d_bytes_per_s: float | None, reference: dict | None = None) -> float | None:
     """Fill t_bus_s, floor_s and ratio_to_floor of each finished row; returns T_compute (None without a
-    resident run). The ratio uses the mean step time."""
-    resident = next((r for r in rows if r["mode"] == "resident" and r["status"] == "ok"), None)
+    resident run, in `rows` or else `reference`: a resident row of an earlier run). The ratio uses the mean
+    step time."""
+    resident = next((r for r in rows if r["mode"] == "resident" and r["status"] == "ok"), reference)
     t_compute = resident["s_per_step_mean"] if resident else None
     for row in rows:
         if row["status"] != "ok":
@@ -844,6 +858,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--offload-percent", type=float, default=1.0,
                         help="AI-Toolkit's offload_percent: the fraction of linears the manager takes over")
     parser.add_argument("--vram-cap-gb", type=float, help="cap this process's VRAM at this many GiB")
+    parser.add_argument("--reference-json", help="the --json-out of an earlier run with a resident row: its "
+                        "compute times give the floors of this run when it has no resident mode of its own")
     parser.add_argument("--timeline-out", help="GPU: profile one extra step per streamed mode and draw its copies "
                                                    "against its kernels into FILE-<mode>.png")
     parser.add_argument("--quantize", choices=("qfloat8", "qint8"),
@@ -876,6 +892,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    reference = None if args.child else reference_row(args.reference_json)  # before the runs: fail fast
     cuda = torch.cuda.is_available()
     if len(args.modes) > 1:
         rows = run_all(argv, args.modes)
@@ -890,7 +907,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json_out).write_text(json.dumps({"results": rows}, default=str) + "\n")
         return 0
     h2d = measure_h2d_bytes_per_s() if cuda else None
-    t_compute = add_floors(rows, h2d)
+    t_compute = add_floors(rows, h2d, reference)
     report(args, rows, h2d, t_compute)
     return 0 if all(r["status"] != "failed" for r in rows) else 1
 

@@ -103,3 +103,21 @@ def test_the_phase_floor_is_the_sum_of_each_phases_bound():
     assert phase_floor(None, row, 1e9) is None
     assert phase_floor(resident, row, None) is None
     assert phase_floor(resident, {"phases": {"forward_bytes": None, "backward_bytes": 1}}, 1e9) is None
+
+
+def test_a_reference_run_gives_the_floors_of_a_run_without_resident(tmp_path):
+    from layerstream.bench import add_floors, reference_row
+
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"results": [
+        {"mode": "resident", "status": "ok", "s_per_step_mean": 0.5, "bytes_per_step": 0,
+         "phases": {"forward_s": 0.1, "backward_s": 0.4, "forward_bytes": 0, "backward_bytes": 0}}]}))
+    row = {"mode": "layerstream", "status": "ok", "s_per_step_mean": 1.0, "bytes_per_step": 2e9,
+           "phases": {"forward_s": 0.5, "backward_s": 0.5, "forward_bytes": 1e9, "backward_bytes": 1e9}}
+    assert add_floors([row], 2e9, reference_row(str(ref))) == 0.5
+    assert row["floor_s"] == pytest.approx(1.0)              # max(0.5 compute, 1.0 bus)
+    assert row["phase_floor_s"] == pytest.approx(0.5 + 0.5)  # max(0.1, 0.5) + max(0.4, 0.5)
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"results": [row]}))
+    with pytest.raises(ValueError, match="no finished resident row"):
+        reference_row(str(empty))
