@@ -16,6 +16,8 @@
 #   rel, overhead  the first two of those alone
 #   quick  the quantized path's device tests, the ring-OOM test, the kernel's bandwidth, AI-Toolkit's real
 #          manager on CUDA and `race` (a short call, about 4 minutes)
+#   sweep  FLUX.1 side by side at LoRA rank 32/512/1280, without checkpointing, under a 16 GiB cap
+#          (LAYERSTREAM_SWEEP picks)
 #   quanto FLUX.1-shaped with optimum-quanto qfloat8 weights in every mode: resident, stock, layerstream
 #   perf2  FLUX.2-shaped (32B) under a 24 GiB cap: stock vs layerstream (budget), and layerstream with float8
 #          host storage; the all-resident reference uncapped (a call of its own: about 9 minutes)
@@ -280,6 +282,29 @@ if want perf && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   done
   for f in perf_bf16 perf_fp8 perf_cap $(for r in ${LAYERSTREAM_PERF_RINGS:-}; do echo "perf_ring$r"; done); do
     grep -E "^\| (resident|stock|layerstream)" "$OUT/$f.md" 2>/dev/null | sed "s/^/      $f /" >>"$OUT/summary.txt"
+  done
+fi
+
+if want sweep && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
+  # The FLUX.1 side by side beyond the default setting (LoRA rank 128, checkpointing, no cap): each item of
+  # LAYERSTREAM_SWEEP (default all five; about 2.5 minutes each) runs resident, stock and layerstream, or
+  # under a cap stock and layerstream (budget = the cap).
+  installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
+  AITK="${AI_TOOLKIT_DIR%%:*}"
+  for item in ${LAYERSTREAM_SWEEP:-rank32 rank512 rank1280 nockpt cap16}; do
+    SW=(python3 benchmarks/flux_bench.py --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --aitk-dir "$AITK"
+        --warmup 1 --steps 3 --md-out "$OUT/sweep_$item.md" --json-out "$OUT/sweep_$item.json")
+    case $item in
+      rank*) step "FLUX.1 side by side, LoRA rank ${item#rank}"
+             run "sweep_$item" "${SW[@]}" --mode resident,stock,layerstream --rank "${item#rank}" ;;
+      nockpt) step "FLUX.1 side by side, no checkpointing"
+              run "sweep_$item" "${SW[@]}" --mode resident,stock,layerstream --no-checkpointing ;;
+      cap*) step "FLUX.1 under a ${item#cap} GiB cap: stock, layerstream (budget = the cap)"
+            run "sweep_$item" env LAYERSTREAM_VRAM_BUDGET="${item#cap}GiB" "${SW[@]}" --mode stock,layerstream \
+              --vram-cap-gb "${item#cap}" ;;
+      *) echo "   unknown LAYERSTREAM_SWEEP item $item (rankN, nockpt, capN)" | tee -a "$OUT/summary.txt"; status=1 ;;
+    esac
+    grep -E "^\| (resident|stock|layerstream)" "$OUT/sweep_$item.md" 2>/dev/null | sed "s/^/      $item /" >>"$OUT/summary.txt"
   done
 fi
 
