@@ -174,7 +174,8 @@ std::size_t DeviceState::ring_bytes_for(std::size_t layer_bytes) const {
   // Three of the largest layer guarantee room for the next one wherever the held one sits, with
   // headroom for reuse; on a GPU at least 512 MiB, so that a block's layers stay resident together (more
   // when layers carry scratch for their dequantized weights: by as much as it adds to a layer).
-  const std::size_t floor = mode_ == Mode::kCuda ? 512 * kMiB / 1000 * ring_expansion_permille_.load() : 0;
+  const std::size_t floor =
+      mode_ == Mode::kCuda ? ring_unit(512 * kMiB * ring_expansion_permille_.load() / 1000) : 0;
   const std::size_t wanted = env_mib("LAYERSTREAM_RING_MB", std::max(3 * aligned, floor));
   LS_CHECK_ARG(wanted >= aligned, "LAYERSTREAM_RING_MB is ", wanted / kMiB,
                " MiB, smaller than a layer of ", layer_bytes, " bytes; raise it to at least ",
