@@ -282,8 +282,9 @@ void StreamedLayer::install(std::shared_ptr<HostBlockRef> block, Packed w, Packe
   weight_ = std::move(w);
   bias_ = std::move(b);
   quant_ = std::move(q);
+  scratch_ = scratch_bytes_locked();  // once per packing, not per call
   // The first ring is sized for the largest layer, its scratch included.
-  state_->note_attached(block_->block().bytes, device_bytes(block_->block().bytes, scratch_bytes_locked()));
+  state_->note_attached(block_->block().bytes, device_bytes(block_->block().bytes, scratch_));
 }
 
 namespace {
@@ -585,10 +586,9 @@ std::size_t StreamedLayer::scratch_bytes_locked() const {
 
 TransferEngine& StreamedLayer::registered_engine() {
   std::lock_guard<std::mutex> lock(mu_);
-  const std::size_t scratch = scratch_bytes_locked();
-  TransferEngine& engine = state_->engine_for(device_bytes(block_->block().bytes, scratch));
+  TransferEngine& engine = state_->engine_for(device_bytes(block_->block().bytes, scratch_));
   if (id_ == 0 || generation_ != state_->generation()) {
-    id_ = engine.add_external_layer(block_->block(), scratch);
+    id_ = engine.add_external_layer(block_->block(), scratch_);
     generation_ = state_->generation();
     state_->consider_residency(engine, id_, block_->block().bytes);
   }

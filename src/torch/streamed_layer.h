@@ -148,7 +148,7 @@ class StreamedLayer : public torch::CustomClassHolder {
   at::Tensor dequantize_in_scratch(const at::Tensor& codes, const at::Tensor& scale, const Lease& lease,
                                    at::Device where, StreamHandle consumer);
   // Scratch to ask of the engine for this layer: its dequantized weight, where the core dequantizes it
-  // (a quantized layer on the simulator or on CUDA), else 0. Caller holds mu_.
+  // (a quantized layer on the simulator or on CUDA), else 0. Caller holds mu_; install() keeps it in scratch_.
   std::size_t scratch_bytes_locked() const;
   // forward() and forward_frozen() after their checks: `weight` undefined for a quantized layer.
   at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
@@ -175,6 +175,7 @@ class StreamedLayer : public torch::CustomClassHolder {
   Packed weight_, bias_;
   std::optional<QuantParts> quant_;
   std::vector<Packed> tensors_;  // pack_tensors(): the layer's own tensors, in order
+  std::size_t scratch_ = 0;      // scratch_bytes_locked() of the current block
   bool compress_frozen_ = false;  // LAYERSTREAM_HOST_DTYPE was set when the layer was last packed
   std::uint64_t generation_ = 0;  // engine generation the layer is registered in
   LayerId id_ = 0;
