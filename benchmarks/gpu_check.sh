@@ -100,6 +100,12 @@ run synccheck compute-sanitizer --tool synccheck --error-exitcode 1 \
 fi
 
 installed() { python3 -c 'import layerstream.manager_modules' 2>/dev/null; }
+# The package for the benchmark modes: built and installed unless it is already.
+ensure_installed() { installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .; }
+# The result rows of a flux_bench table (its --md-out) into the summary, each after `label`.
+summarize_rows() {  # summarize_rows MD LABEL
+  grep -E "^\| (resident|stock|layerstream)" "$1" 2>/dev/null | sed "s/^/      $2 /" >>"$OUT/summary.txt"
+}
 # The package is built and installed from this tree; with LAYERSTREAM_REUSE_INSTALL=1 an installed one is
 # kept (for invocations side by side on one machine, after an `install` call).
 if want install || { { want py || want pycuda || want tests || want san || want quant || want quick || want race; } \
@@ -191,13 +197,13 @@ if want quant; then
 fi
 
 if { want bench || want rel; } && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
-  installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
+  ensure_installed
   step "reliability figures (cycles, long run)"
   run reliability python3 benchmarks/reliability.py --json-out "$OUT/reliability.json"
   grep -E "^cycles|first-step|after the last free|after each free|host RSS|^long run|^\| (100|500|1000) \|" "$OUT/all.log" | tail -n 11 | sed 's/^/      /' >>"$OUT/summary.txt"
 fi
 if { want bench || want overhead; } && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
-  installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
+  ensure_installed
   step "per-call host overhead"
   run call_overhead python3 benchmarks/call_overhead.py --aitk-dir "${AI_TOOLKIT_DIR%%:*}"
   grep -A 8 "^per-call host time" "$OUT/all.log" | grep "^|" | tail -n 6 | sed 's/^/      /' >>"$OUT/summary.txt"
@@ -260,7 +266,7 @@ if want race || want quick || want tests; then
 fi
 
 if want perf && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
-  installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
+  ensure_installed
   AITK="${AI_TOOLKIT_DIR%%:*}"
   step "FLUX.1-shaped, 100% streamed: all-resident and layerstream bf16"
   run perf_bf16 python3 benchmarks/flux_bench.py --preset flux1 --mode resident,layerstream --aitk-dir "$AITK" \
@@ -281,7 +287,7 @@ if want perf && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
       --mode layerstream --aitk-dir "$AITK" --md-out "$OUT/perf_ring$ring.md" --json-out "$OUT/perf_ring$ring.json"
   done
   for f in perf_bf16 perf_fp8 perf_cap $(for r in ${LAYERSTREAM_PERF_RINGS:-}; do echo "perf_ring$r"; done); do
-    grep -E "^\| (resident|stock|layerstream)" "$OUT/$f.md" 2>/dev/null | sed "s/^/      $f /" >>"$OUT/summary.txt"
+    summarize_rows "$OUT/$f.md" "$f"
   done
 fi
 
@@ -289,7 +295,7 @@ if want sweep && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   # The FLUX.1 side by side beyond the default setting (LoRA rank 128, checkpointing, no cap): each item of
   # LAYERSTREAM_SWEEP (default all five; about 2.5 minutes each) runs resident, stock and layerstream, or
   # under a cap stock and layerstream (budget = the cap).
-  installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
+  ensure_installed
   AITK="${AI_TOOLKIT_DIR%%:*}"
   for item in ${LAYERSTREAM_SWEEP:-rank32 rank512 rank1280 nockpt cap16}; do
     SW=(python3 benchmarks/flux_bench.py --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --aitk-dir "$AITK"
@@ -304,14 +310,14 @@ if want sweep && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
               --vram-cap-gb "${item#cap}" ;;
       *) echo "   unknown LAYERSTREAM_SWEEP item $item (rankN, nockpt, capN)" | tee -a "$OUT/summary.txt"; status=1 ;;
     esac
-    grep -E "^\| (resident|stock|layerstream)" "$OUT/sweep_$item.md" 2>/dev/null | sed "s/^/      $item /" >>"$OUT/summary.txt"
+    summarize_rows "$OUT/sweep_$item.md" "$item"
   done
 fi
 
 if want quanto && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   # The same quantized model in every mode: optimum-quanto qfloat8 on every block linear (AI-Toolkit's
   # `quantize: true`), all-resident, stock (100% offloaded) and layerstream (the quantized path).
-  installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
+  ensure_installed
   AITK="${AI_TOOLKIT_DIR%%:*}"
   # LAYERSTREAM_QUANTO_RUNS: flux1 (default; about 5 minutes), flux2cap (FLUX.2 under a 24 GiB cap, stock
   # and layerstream with the cap as its budget; a call of its own).
@@ -329,7 +335,7 @@ if want quanto && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
       --md-out "$OUT/quanto_flux2cap.md" --json-out "$OUT/quanto_flux2cap.json"
   fi
   for f in quanto_flux1 quanto_flux2cap; do
-    grep -E "^\| (resident|stock|layerstream)" "$OUT/$f.md" 2>/dev/null | sed "s/^/      $f /" >>"$OUT/summary.txt"
+    summarize_rows "$OUT/$f.md" "$f"
   done
 fi
 
@@ -337,7 +343,7 @@ if want perf2 && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   # LAYERSTREAM_PERF2_RUNS picks the runs (default all three; about 3 minutes each): resident = the
   # all-resident reference, uncapped; cap = stock and layerstream (budget = the cap) under 24 GiB; fp8 = the
   # same layerstream run with float8 host storage.
-  installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
+  ensure_installed
   AITK="${AI_TOOLKIT_DIR%%:*}"
   RUNS=",${LAYERSTREAM_PERF2_RUNS:-resident,cap,fp8},"
   F2=(python3 benchmarks/flux_bench.py --preset flux2 --aitk-dir "$AITK" --warmup 1 --steps 3)
@@ -351,12 +357,12 @@ if want perf2 && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   [[ $RUNS == *,fp8,* ]] && run perf2_fp8 env LAYERSTREAM_VRAM_BUDGET=24GiB "${F2[@]}" --mode layerstream \
     --host-dtype float8_e4m3fn --vram-cap-gb 24 --md-out "$OUT/perf2_fp8.md" --json-out "$OUT/perf2_fp8.json"
   for f in perf2_resident perf2_cap perf2_fp8; do
-    grep -E "^\| (resident|stock|layerstream)" "$OUT/$f.md" 2>/dev/null | sed "s/^/      $f /" >>"$OUT/summary.txt"
+    summarize_rows "$OUT/$f.md" "$f"
   done
 fi
 
 if want ddp; then
-  installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
+  ensure_installed
   step "two ranks on one host (needs 2 GPUs)"
   run pytest_two_gpus bash -c 'cd /tmp && python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
     '"$PWD"'/tests/python/test_shared_host.py '"$PWD"'/tests/python/test_multi_device.py'
