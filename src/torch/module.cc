@@ -219,6 +219,21 @@ std::optional<QuantSource> quant_source_of(const py::object& w) {
   return q;
 }
 
+// optimum-quanto turns a frozen qfloat8 (e4m3) weight that reaches a GPU of compute capability 8 or more
+// into a MarlinF8QBytesTensor: its codes packed into int32 and reordered, its scale permuted, for the
+// Marlin kernel. Moved to the host, as attach does with every weight (quanto's own `.to`), it becomes the
+// WeightQBytesTensor it came from: codes (out, in) and a scale per row, which stream natively. Its
+// dequantize() is the same product as that one's, element by element.
+bool is_quanto_marlin(const py::object& w) {
+  if (w.is_none()) return false;
+  const py::object type = py::type::of(w);
+  return type.attr("__name__").cast<std::string>() == "MarlinF8QBytesTensor" &&
+         type.attr("__module__").cast<std::string>().rfind("optimum.quanto", 0) == 0;
+}
+
+// Whether the weight streams natively once it is on the host.
+bool streams_quantized(const py::object& w) { return quant_source_of(w).has_value() || is_quanto_marlin(w); }
+
 // Weight on the compute device in a form F.linear/F.conv2d accept (generic path).
 py::object materialize(const py::object& w, const py::object& device, const py::object& dtype) {
   if (w.is_none()) return w;
@@ -362,7 +377,7 @@ py::object quantized_forward(const py::object& module, LayerManager& core, const
   bool current = w.is(core.quant_weight) && py::hasattr(w, core.codes_attr.c_str());
   if (current) current = core.layer->is_current(w.attr(core.codes_attr.c_str()).cast<at::Tensor>(), bias);
   if (!current) {
-    if (!quant_source_of(w).has_value()) {
+    if (!streams_quantized(w)) {
       throw py::value_error("layerstream: this layer's weight was replaced by one it cannot stream (" +
                             py::str(py::type::of(w)).cast<std::string>() +
                             "); detach the layer (MemoryManager.detach) before replacing its weight with another kind");
@@ -455,7 +470,7 @@ void attach(const py::object& module, const py::object& manager, Which which) {
                                                       conv ? conv_params_of(module) : ConvParams{});
       core.layer->pack(weight.cast<at::Tensor>(), tensor_or_undefined(bias));
       core.path = state->mode() == Mode::kCpu ? "cpu" : "streamed";
-    } else if (!empty && (!conv || conv_is_plain(module)) && is_plain(bias) && quant_source_of(weight).has_value()) {
+    } else if (!empty && (!conv || conv_is_plain(module)) && is_plain(bias) && streams_quantized(weight)) {
       core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,
                                                       conv ? conv_params_of(module) : ConvParams{});
       pack_quantized(module, core);

@@ -87,6 +87,36 @@ def test_quanto_weights_stream_as_stored_and_compute_bitwise(engine, device, qty
     assert layer.weight.grad is None
 
 
+def test_a_weight_in_quantos_marlin_layout_streams_in_its_natural_one(engine, device):
+    """On a GPU of compute capability 8 or more, quanto keeps a qfloat8 weight whose shape suits its Marlin
+    kernel (FLUX's linears all do) as a MarlinF8QBytesTensor: int32-packed, reordered codes. Attach takes it
+    back to the host as quanto's `.to` does (the natural codes and a scale per row), streams those, and the
+    result is bitwise the Marlin weight's own dequantize() followed by the same matmul."""
+    if engine != "cuda":
+        pytest.skip("quanto builds the Marlin layout only on a CUDA device")
+    torch.manual_seed(11)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 384)).to(torch.bfloat16)
+    quanto.quantize(model, weights=quanto.qfloat8)
+    quanto.freeze(model)
+    layer = model.requires_grad_(False)[0].to(device)
+    if type(layer.weight).__name__ != "MarlinF8QBytesTensor":
+        pytest.skip(f"quanto kept {type(layer.weight).__name__} on this device (its CUDA extension is unavailable)")
+    layer.bias.requires_grad_(True)
+    x = torch.randn(2, 9, 256, dtype=torch.bfloat16, device=device)
+    expected = _forward_backward(lambda t: _reference(layer, t, False), x, layer.bias)
+
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    lmm = layer._layer_memory_manager
+    assert lmm.path == "quantized" and lmm.stored_as == "Float8_e4m3fn"
+    assert type(layer.weight).__name__ == "WeightQBytesTensor"
+    assert layer.weight._data.is_pinned() and tuple(layer.weight._data.shape) == (384, 256)
+    # The codes (one byte each), a bf16 scale per output row, the bf16 bias: nothing else.
+    assert lmm.packed_bytes == _align(_align(384 * 256) + 384 * 2) + 384 * 2
+    got = _forward_backward(layer, x, layer.bias)
+    for g, e, what in zip(got, expected, ("output", "grad input", "grad bias")):
+        assert torch.equal(g, e), what
+
+
 def test_torchao_float8_weight_only_streams_as_stored(engine, device):
     quant = pytest.importorskip("torchao.quantization", reason="torchao is not installed")
     torch.manual_seed(4)
