@@ -525,6 +525,63 @@ def phase_split(model, inputs, optimizer, sync_grads, device, stats) -> dict:
             "forward_bytes": b1 - b0 if both else None, "backward_bytes": b2 - b1 if both else None}
 
 
+def _stored_bytes(t: torch.Tensor | None) -> int:
+    """What a weight or bias occupies as stored: a quantized weight (optimum-quanto) counts as its codes and
+    scale, not as the dtype it dequantizes to."""
+    if t is None:
+        return 0
+    if hasattr(t, "_data") and hasattr(t, "_scale"):
+        return t._data.nbytes + t._scale.nbytes
+    return t.nbytes
+
+
+class StockCopyCounter:
+    """The bytes AI-Toolkit's stock manager stages onto the device, counted where it stages them. Its
+    bouncing autograd functions (`_BouncingLinearFn`, `_BouncingConv2dFn` in manager_modules.py of 27a03a91
+    and 323b4aaf) copy the layer's weight and bias at each forward and the weight at each backward. A
+    backward autograd never runs (a frozen layer whose input needs no gradient, such as FLUX's modulation
+    linears fed by the timestep embedding) copies nothing: counting calls gets that right where an estimate
+    from passes over the weights cannot. On a CPU process device stock copies nothing; the count is what it
+    would stage on a GPU."""
+
+    def __init__(self, stock_module) -> None:
+        self.bytes = 0
+        self._restore: list[tuple[type, str, object]] = []
+        for name in ("_BouncingLinearFn", "_BouncingConv2dFn"):
+            fn = getattr(stock_module, name, None)
+            if fn is None:
+                continue
+            for method in ("forward", "backward"):
+                original = fn.__dict__[method]
+                self._restore.append((fn, method, original))
+                setattr(fn, method, staticmethod(self._counted(method, original.__func__)))
+
+    def _counted(self, method: str, original):
+        counter = self
+
+        def forward(ctx, x, weight, bias, *rest):
+            counter.bytes += _stored_bytes(weight) + _stored_bytes(bias)
+            # Kept on ctx for the backward: reading ctx.saved_tensors here too would unpack a checkpointed
+            # block's tensors twice, which torch.utils.checkpoint refuses.
+            ctx.layerstream_weight_bytes = _stored_bytes(weight)
+            return original(ctx, x, weight, bias, *rest)
+
+        def backward(ctx, *grads):
+            counter.bytes += getattr(ctx, "layerstream_weight_bytes", 0)  # the weight goes back up
+            return original(ctx, *grads)
+
+        return forward if method == "forward" else backward
+
+    def stats(self) -> dict:
+        """In the shape of layerstream's stats(), for the code that diffs them."""
+        return {"bytes_h2d": self.bytes}
+
+    def close(self) -> None:
+        for fn, method, original in self._restore:
+            setattr(fn, method, original)
+        self._restore.clear()
+
+
 def layerstream_stats() -> dict | None:
     """layerstream's telemetry, or None while its manager_modules has no stats() yet."""
     try:
@@ -586,6 +643,7 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
     if mode == "layerstream":
         # How long compute waits for copies (two event records per fetch: well under 1% of a step).
         os.environ.setdefault("LAYERSTREAM_TIME_WAITS", "1")
+    stock_counter = StockCopyCounter(package.manager_modules) if mode == "stock" else None
     t0 = time.perf_counter()
     if package is None:
         model.to(device)
@@ -624,6 +682,8 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
     for step in range(args.warmup + args.steps):
         if step == args.warmup and mode == "layerstream":
             stats_at_start = layerstream_stats()  # engine counters are cumulative: diff over the timed steps
+        if step == args.warmup and stock_counter is not None:
+            stats_at_start = stock_counter.stats()
         _sync(device)
         if step == args.warmup and nvml is not None:
             energy_start = nvml.energy_mj()
@@ -641,8 +701,10 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
     # The engine's counters at the end of the timed steps: the steps below copy too, and counting them
     # would add a sixth step's bytes to five (seen: FLUX.1's bytes/step and floor read 6/5 of the truth).
     stats_end = layerstream_stats() if mode not in ("resident", "stock") else None
-    phases = phase_split(model, (img, txt, vec), optimizer, sync_grads, device,
-                         layerstream_stats if stats_end is not None else None)
+    stock_end = stock_counter.stats() if stock_counter is not None else None
+    byte_counter = stock_counter.stats if stock_counter is not None else (
+        layerstream_stats if stats_end is not None else None)
+    phases = phase_split(model, (img, txt, vec), optimizer, sync_grads, device, byte_counter)
     timeline = None
     if args.timeline_out and device.type == "cuda" and mode != "resident":
         # One more step (not timed) under the profiler: when the bus copied and when the GPU computed.
@@ -674,10 +736,9 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
         row["phases"]["forward_bytes"] = row["phases"]["backward_bytes"] = 0
     elif mode == "stock":
         row["pinned_bytes"], row["pinned_bytes_exact"] = stock_pinned_bytes(managed)
-        # The stock bounce fetches every managed layer at each call: forward, the checkpointed recompute, backward.
-        row["bytes_per_step"] = (3 if args.checkpointing else 2) * managed_bytes
-        row["phases"]["forward_bytes"] = managed_bytes
-        row["phases"]["backward_bytes"] = (2 if args.checkpointing else 1) * managed_bytes
+        # Counted at stock's own staging calls over the timed steps (see StockCopyCounter).
+        row["bytes_per_step"] = (stock_end["bytes_h2d"] - stats_at_start["bytes_h2d"]) / len(times)
+        stock_counter.close()
     else:
         stats = stats_end
         row["engine_stats"] = stats

@@ -121,3 +121,35 @@ def test_a_reference_run_gives_the_floors_of_a_run_without_resident(tmp_path):
     empty.write_text(json.dumps({"results": [row]}))
     with pytest.raises(ValueError, match="no finished resident row"):
         reference_row(str(empty))
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_stocks_copies_are_counted_per_call_not_estimated(which):
+    """The benchmark counts the bytes the stock manager stages at each of its forward and backward calls.
+    A frozen layer whose input needs no gradient is never called backward and copies its weight once."""
+    dirs = aitk_dirs()
+    if not dirs:
+        pytest.skip("the stock manager comes from an AI-Toolkit checkout: set AI_TOOLKIT_DIR")
+    import torch
+    from layerstream.aitk import load_memory_management
+    from layerstream.bench import StockCopyCounter
+
+    aitk = dirs[0] if which == "first" else dirs[-1]
+    package = load_memory_management(aitk, engine="stock")
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(16, 12), torch.nn.Linear(12, 8, bias=False)  # float32: 4 bytes per element
+    model = torch.nn.ModuleDict({"a": a, "b": b}).requires_grad_(False)
+    package.MemoryManager.attach(model, torch.device("cpu"), offload_percent=1.0)
+    scale = torch.nn.Parameter(torch.ones(12))  # trainable: b's input needs a gradient, a's does not
+    counter = StockCopyCounter(package.manager_modules)
+    try:
+        out = b(a(torch.randn(3, 16)) * scale)
+        assert counter.bytes == (16 * 12 + 12) * 4 + 12 * 8 * 4  # both forwards: weights and a's bias
+        out.sum().backward()
+        assert counter.bytes == (16 * 12 + 12) * 4 + 2 * 12 * 8 * 4  # b's backward only: its weight again
+        assert scale.grad is not None
+    finally:
+        counter.close()
+    before = counter.bytes
+    b(a(torch.randn(3, 16)) * scale).sum().backward()  # closed: stock's functions are its own again
+    assert counter.bytes == before
