@@ -36,6 +36,16 @@ def _quanto_layer(qtype: str, dtype: torch.dtype, conv: bool = False, seed: int 
     return model[0]
 
 
+def _qfloat8_linear(in_features: int, out_features: int, seed: int, device) -> torch.nn.Module:
+    """A frozen bf16 Linear with quanto qfloat8 weights, moved to `device` after freezing (on a GPU of
+    compute capability 8+ and a shape Marlin takes, quanto turns the weight into its Marlin layout)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(in_features, out_features)).to(torch.bfloat16)
+    quanto.quantize(model, weights=quanto.qfloat8)
+    quanto.freeze(model)
+    return model.requires_grad_(False)[0].to(device)
+
+
 def _reference(layer, x, conv):
     """The library's dequantize() then the layer's math, on the device the managed call computes on."""
     w = layer.weight.dequantize().to(x.device)
@@ -94,11 +104,7 @@ def test_a_weight_in_quantos_marlin_layout_streams_in_its_natural_one(engine, de
     result is bitwise the Marlin weight's own dequantize() followed by the same matmul."""
     if engine != "cuda":
         pytest.skip("quanto builds the Marlin layout only on a CUDA device")
-    torch.manual_seed(11)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 384)).to(torch.bfloat16)
-    quanto.quantize(model, weights=quanto.qfloat8)
-    quanto.freeze(model)
-    layer = model.requires_grad_(False)[0].to(device)
+    layer = _qfloat8_linear(256, 384, seed=11, device=device)
     if type(layer.weight).__name__ != "MarlinF8QBytesTensor":
         pytest.skip(f"quanto kept {type(layer.weight).__name__} on this device (its CUDA extension is unavailable)")
     layer.bias.requires_grad_(True)
@@ -365,13 +371,7 @@ def test_a_weight_is_dequantized_into_its_ring_region_once_per_copy(engine, devi
     if engine == "cpu":
         pytest.skip("the CPU process device dequantizes with torch operations (no ring)")
     monkeypatch.setenv("LAYERSTREAM_RING_MB", "2")  # two of these layers (codes + scratch: 0.75 MiB each)
-    layers = []
-    for seed in range(4):
-        torch.manual_seed(seed)
-        model = torch.nn.Sequential(torch.nn.Linear(512, 512)).to(torch.bfloat16)
-        quanto.quantize(model, weights=quanto.qfloat8)
-        quanto.freeze(model)
-        layers.append(model.requires_grad_(False)[0].to(device))
+    layers = [_qfloat8_linear(512, 512, seed=seed, device=device) for seed in range(4)]
     expected = {}
     x = torch.randn(3, 512, dtype=torch.bfloat16, device=device)
     for i, layer in enumerate(layers):
@@ -427,11 +427,7 @@ def test_the_ring_floor_grows_with_the_scratch_of_quantized_layers(engine, devic
     takes its codes and its dequantized weight in the ring, and the floor grows by that factor."""
     if engine != "cuda":
         pytest.skip("the 512 MiB floor applies on a GPU only (the simulator's ring is 3x the largest layer)")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(512, 512)).to(torch.bfloat16)
-    quanto.quantize(model, weights=quanto.qfloat8)
-    quanto.freeze(model)
-    layer = model.requires_grad_(False)[0].to(device)
+    layer = _qfloat8_linear(512, 512, seed=0, device=device)
     mm.LinearLayerMemoryManager.attach(layer, Manager(device))
     with torch.no_grad():
         layer(torch.randn(2, 512, dtype=torch.bfloat16, device=device))
