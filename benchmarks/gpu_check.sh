@@ -106,6 +106,17 @@ ensure_installed() { installed || run pip_install python3 -m pip install --no-bu
 summarize_rows() {  # summarize_rows MD LABEL
   grep -E "^\| (resident|stock|layerstream)" "$1" 2>/dev/null | sed "s/^/      $2 /" >>"$OUT/summary.txt"
 }
+# One flux_bench.py run on AI-Toolkit's manager (the first checkout of AI_TOOLKIT_DIR) as step NAME: its
+# table and JSON as $OUT/NAME.md and $OUT/NAME.json, its result rows into the summary. Leading VAR=VALUE
+# arguments are the run's environment (e.g. LAYERSTREAM_VRAM_BUDGET=24GiB).
+flux() {  # flux NAME [VAR=VALUE ...] FLUX_BENCH_ARGS...
+  local name=$1; shift
+  local envs=()
+  while [[ ${1:-} == [A-Z]*=* ]]; do envs+=("$1"); shift; done
+  run "$name" env "${envs[@]}" python3 benchmarks/flux_bench.py --aitk-dir "${AI_TOOLKIT_DIR%%:*}" "$@" \
+    --md-out "$OUT/$name.md" --json-out "$OUT/$name.json"
+  summarize_rows "$OUT/$name.md" "$name"
+}
 # The package is built and installed from this tree; with LAYERSTREAM_REUSE_INSTALL=1 an installed one is
 # kept (for invocations side by side on one machine, after an `install` call).
 if want install || { { want py || want pycuda || want tests || want san || want quant || want quick || want race; } \
@@ -210,14 +221,12 @@ if { want bench || want overhead; } && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
 fi
 if want bench && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   step "benchmark: FLUX.1-shaped, LoRA rank 128, checkpointing, 100% offloaded"
-  run flux_bench python3 benchmarks/flux_bench.py --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --mode all \
-    --aitk-dir "${AI_TOOLKIT_DIR%%:*}" --md-out "$OUT/flux_bench.md" --json-out "$OUT/flux_bench.json"
+  flux flux_bench --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --mode all
   # Optional (about 4 more minutes): the same under a VRAM cap, layerstream with that cap as its budget.
   if [[ -n "${LAYERSTREAM_BENCH_CAP_GB:-}" ]]; then
     step "benchmark: the same under a ${LAYERSTREAM_BENCH_CAP_GB} GiB VRAM cap, LAYERSTREAM_VRAM_BUDGET=${LAYERSTREAM_BENCH_CAP_GB}GiB"
-    run flux_bench_cap env LAYERSTREAM_VRAM_BUDGET="${LAYERSTREAM_BENCH_CAP_GB}GiB" python3 benchmarks/flux_bench.py \
-      --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --mode all --vram-cap-gb "$LAYERSTREAM_BENCH_CAP_GB" \
-      --aitk-dir "${AI_TOOLKIT_DIR%%:*}" --md-out "$OUT/flux_bench_cap.md" --json-out "$OUT/flux_bench_cap.json"
+    flux flux_bench_cap LAYERSTREAM_VRAM_BUDGET="${LAYERSTREAM_BENCH_CAP_GB}GiB" \
+      --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --mode all --vram-cap-gb "$LAYERSTREAM_BENCH_CAP_GB"
   fi
 fi
 
@@ -267,27 +276,19 @@ fi
 
 if want perf && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   ensure_installed
-  AITK="${AI_TOOLKIT_DIR%%:*}"
   step "FLUX.1-shaped, 100% streamed: all-resident and layerstream bf16"
-  run perf_bf16 python3 benchmarks/flux_bench.py --preset flux1 --mode resident,layerstream --aitk-dir "$AITK" \
-    --timeline-out "$OUT/flux1-timeline.png" --md-out "$OUT/perf_bf16.md" --json-out "$OUT/perf_bf16.json"
+  flux perf_bf16 --preset flux1 --mode resident,layerstream --timeline-out "$OUT/flux1-timeline.png"
   step "the same, layerstream with float8 host storage (LAYERSTREAM_HOST_DTYPE=float8_e4m3fn)"
   # The runs without a resident row take the floors' compute times from the first one.
   REF=(); [[ -s $OUT/perf_bf16.json ]] && REF=(--reference-json "$OUT/perf_bf16.json")
-  run perf_fp8 python3 benchmarks/flux_bench.py --preset flux1 --mode layerstream --host-dtype float8_e4m3fn \
-    --aitk-dir "$AITK" "${REF[@]}" --md-out "$OUT/perf_fp8.md" --json-out "$OUT/perf_fp8.json"
+  flux perf_fp8 --preset flux1 --mode layerstream --host-dtype float8_e4m3fn "${REF[@]}"
   step "under a 24 GiB cap: stock (100% offloaded) and layerstream with LAYERSTREAM_VRAM_BUDGET=24GiB"
   # LAYERSTREAM_PERF_BUDGET=auto: the budget read from the cap (needs torch's get_per_process_memory_fraction).
-  run perf_cap env LAYERSTREAM_VRAM_BUDGET="${LAYERSTREAM_PERF_BUDGET:-24GiB}" python3 benchmarks/flux_bench.py --preset flux1 \
-    --mode stock,layerstream --vram-cap-gb 24 --aitk-dir "$AITK" "${REF[@]}" --md-out "$OUT/perf_cap.md" \
-    --json-out "$OUT/perf_cap.json"
+  flux perf_cap LAYERSTREAM_VRAM_BUDGET="${LAYERSTREAM_PERF_BUDGET:-24GiB}" --preset flux1 \
+    --mode stock,layerstream --vram-cap-gb 24 "${REF[@]}"
   # Optional: the bf16 streamed run again with larger rings (deeper prefetch; a double-stream block whole).
   for ring in ${LAYERSTREAM_PERF_RINGS:-}; do
-    run "perf_ring$ring" env LAYERSTREAM_RING_MB="$ring" python3 benchmarks/flux_bench.py --preset flux1 \
-      --mode layerstream --aitk-dir "$AITK" --md-out "$OUT/perf_ring$ring.md" --json-out "$OUT/perf_ring$ring.json"
-  done
-  for f in perf_bf16 perf_fp8 perf_cap $(for r in ${LAYERSTREAM_PERF_RINGS:-}; do echo "perf_ring$r"; done); do
-    summarize_rows "$OUT/$f.md" "$f"
+    flux "perf_ring$ring" LAYERSTREAM_RING_MB="$ring" --preset flux1 --mode layerstream
   done
 fi
 
@@ -296,21 +297,18 @@ if want sweep && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   # LAYERSTREAM_SWEEP (default all five; about 2.5 minutes each) runs resident, stock and layerstream, or
   # under a cap stock and layerstream (budget = the cap).
   ensure_installed
-  AITK="${AI_TOOLKIT_DIR%%:*}"
   for item in ${LAYERSTREAM_SWEEP:-rank32 rank512 rank1280 nockpt cap16}; do
-    SW=(python3 benchmarks/flux_bench.py --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --aitk-dir "$AITK"
-        --warmup 1 --steps 3 --md-out "$OUT/sweep_$item.md" --json-out "$OUT/sweep_$item.json")
+    SW=(--preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --warmup 1 --steps 3)
     case $item in
       rank*) step "FLUX.1 side by side, LoRA rank ${item#rank}"
-             run "sweep_$item" "${SW[@]}" --mode resident,stock,layerstream --rank "${item#rank}" ;;
+             flux "sweep_$item" "${SW[@]}" --mode resident,stock,layerstream --rank "${item#rank}" ;;
       nockpt) step "FLUX.1 side by side, no checkpointing"
-              run "sweep_$item" "${SW[@]}" --mode resident,stock,layerstream --no-checkpointing ;;
+              flux "sweep_$item" "${SW[@]}" --mode resident,stock,layerstream --no-checkpointing ;;
       cap*) step "FLUX.1 under a ${item#cap} GiB cap: stock, layerstream (budget = the cap)"
-            run "sweep_$item" env LAYERSTREAM_VRAM_BUDGET="${item#cap}GiB" "${SW[@]}" --mode stock,layerstream \
+            flux "sweep_$item" LAYERSTREAM_VRAM_BUDGET="${item#cap}GiB" "${SW[@]}" --mode stock,layerstream \
               --vram-cap-gb "${item#cap}" ;;
       *) echo "   unknown LAYERSTREAM_SWEEP item $item (rankN, nockpt, capN)" | tee -a "$OUT/summary.txt"; status=1 ;;
     esac
-    summarize_rows "$OUT/sweep_$item.md" "$item"
   done
 fi
 
@@ -318,25 +316,19 @@ if want quanto && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   # The same quantized model in every mode: optimum-quanto qfloat8 on every block linear (AI-Toolkit's
   # `quantize: true`), all-resident, stock (100% offloaded) and layerstream (the quantized path).
   ensure_installed
-  AITK="${AI_TOOLKIT_DIR%%:*}"
   # LAYERSTREAM_QUANTO_RUNS: flux1 (default; about 5 minutes), flux2cap (FLUX.2 under a 24 GiB cap, stock
   # and layerstream with the cap as its budget; a call of its own).
   QRUNS=",${LAYERSTREAM_QUANTO_RUNS:-flux1},"
   if [[ $QRUNS == *,flux1,* ]]; then
     step "FLUX.1-shaped, optimum-quanto qfloat8 weights: resident, stock, layerstream"
-    run quanto_flux1 python3 benchmarks/flux_bench.py --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" \
-      --mode resident,stock,layerstream --quantize qfloat8 --aitk-dir "$AITK" --warmup 1 --steps 3 \
-      --md-out "$OUT/quanto_flux1.md" --json-out "$OUT/quanto_flux1.json"
+    flux quanto_flux1 --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --mode resident,stock,layerstream \
+      --quantize qfloat8 --warmup 1 --steps 3
   fi
   if [[ $QRUNS == *,flux2cap,* ]]; then
     step "FLUX.2-shaped, optimum-quanto qfloat8 weights, 24 GiB cap: stock, layerstream (budget = cap)"
-    run quanto_flux2cap env LAYERSTREAM_VRAM_BUDGET=24GiB python3 benchmarks/flux_bench.py --preset flux2 \
-      --mode stock,layerstream --quantize qfloat8 --vram-cap-gb 24 --aitk-dir "$AITK" --warmup 1 --steps 3 \
-      --md-out "$OUT/quanto_flux2cap.md" --json-out "$OUT/quanto_flux2cap.json"
+    flux quanto_flux2cap LAYERSTREAM_VRAM_BUDGET=24GiB --preset flux2 --mode stock,layerstream --quantize qfloat8 \
+      --vram-cap-gb 24 --warmup 1 --steps 3
   fi
-  for f in quanto_flux1 quanto_flux2cap; do
-    summarize_rows "$OUT/$f.md" "$f"
-  done
 fi
 
 if want perf2 && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
@@ -344,21 +336,16 @@ if want perf2 && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   # all-resident reference, uncapped; cap = stock and layerstream (budget = the cap) under 24 GiB; fp8 = the
   # same layerstream run with float8 host storage.
   ensure_installed
-  AITK="${AI_TOOLKIT_DIR%%:*}"
   RUNS=",${LAYERSTREAM_PERF2_RUNS:-resident,cap,fp8},"
-  F2=(python3 benchmarks/flux_bench.py --preset flux2 --aitk-dir "$AITK" --warmup 1 --steps 3)
+  F2=(--preset flux2 --warmup 1 --steps 3)
   step "FLUX.2-shaped (32B): runs ${RUNS}"
-  [[ $RUNS == *,resident,* ]] && run perf2_resident "${F2[@]}" --mode resident \
-    --md-out "$OUT/perf2_resident.md" --json-out "$OUT/perf2_resident.json"
+  [[ $RUNS == *,resident,* ]] && flux perf2_resident "${F2[@]}" --mode resident
   # The capped runs take the floors' compute times from the resident run when it ran first here.
   [[ -s $OUT/perf2_resident.json ]] && F2+=(--reference-json "$OUT/perf2_resident.json")
-  [[ $RUNS == *,cap,* ]] && run perf2_cap env LAYERSTREAM_VRAM_BUDGET=24GiB "${F2[@]}" --mode stock,layerstream \
-    --vram-cap-gb 24 --timeline-out "$OUT/flux2-timeline.png" --md-out "$OUT/perf2_cap.md" --json-out "$OUT/perf2_cap.json"
-  [[ $RUNS == *,fp8,* ]] && run perf2_fp8 env LAYERSTREAM_VRAM_BUDGET=24GiB "${F2[@]}" --mode layerstream \
-    --host-dtype float8_e4m3fn --vram-cap-gb 24 --md-out "$OUT/perf2_fp8.md" --json-out "$OUT/perf2_fp8.json"
-  for f in perf2_resident perf2_cap perf2_fp8; do
-    summarize_rows "$OUT/$f.md" "$f"
-  done
+  [[ $RUNS == *,cap,* ]] && flux perf2_cap LAYERSTREAM_VRAM_BUDGET=24GiB "${F2[@]}" --mode stock,layerstream \
+    --vram-cap-gb 24 --timeline-out "$OUT/flux2-timeline.png"
+  [[ $RUNS == *,fp8,* ]] && flux perf2_fp8 LAYERSTREAM_VRAM_BUDGET=24GiB "${F2[@]}" --mode layerstream \
+    --host-dtype float8_e4m3fn --vram-cap-gb 24
 fi
 
 if want ddp; then
