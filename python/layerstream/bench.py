@@ -375,19 +375,23 @@ def measure_h2d_bytes_per_s(size: int = GiB, repeats: int = 5) -> float:
     return best
 
 
+def stored_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """What a weight or bias is stored as: a quantized weight (optimum-quanto) as its inner codes and scale,
+    which are what is pinned and moved, not the dtype it dequantizes to."""
+    return [t._data, t._scale] if hasattr(t, "_data") and hasattr(t, "_scale") else [t]
+
+
 def managed_tensors(model: nn.Module) -> list[torch.Tensor]:
     """The weights and biases of the layers a memory manager took over, each storage once."""
     seen, tensors = set(), []
     for module in model.modules():
         if not hasattr(module, "_layer_memory_manager"):
             continue
-        # _parameters directly: what the layer holds, whatever properties a subclass puts on top. A quantized
-        # weight (optimum-quanto) counts as its inner codes and scale: what is stored, pinned and moved.
+        # _parameters directly: what the layer holds, whatever properties a subclass puts on top.
         for param in module._parameters.values():
             if param is None:
                 continue
-            inner = [param._data, param._scale] if hasattr(param, "_data") and hasattr(param, "_scale") else [param]
-            for tensor in inner:
+            for tensor in stored_tensors(param):
                 if tensor.untyped_storage().data_ptr() not in seen:
                     seen.add(tensor.untyped_storage().data_ptr())
                     tensors.append(tensor)
@@ -526,13 +530,7 @@ def phase_split(model, inputs, optimizer, sync_grads, device, stats) -> dict:
 
 
 def _stored_bytes(t: torch.Tensor | None) -> int:
-    """What a weight or bias occupies as stored: a quantized weight (optimum-quanto) counts as its codes and
-    scale, not as the dtype it dequantizes to."""
-    if t is None:
-        return 0
-    if hasattr(t, "_data") and hasattr(t, "_scale"):
-        return t._data.nbytes + t._scale.nbytes
-    return t.nbytes
+    return 0 if t is None else sum(x.nbytes for x in stored_tensors(t))
 
 
 class StockCopyCounter:
@@ -560,10 +558,10 @@ class StockCopyCounter:
         counter = self
 
         def forward(ctx, x, weight, bias, *rest):
-            counter.bytes += _stored_bytes(weight) + _stored_bytes(bias)
             # Kept on ctx for the backward: reading ctx.saved_tensors here too would unpack a checkpointed
             # block's tensors twice, which torch.utils.checkpoint refuses.
             ctx.layerstream_weight_bytes = _stored_bytes(weight)
+            counter.bytes += ctx.layerstream_weight_bytes + _stored_bytes(bias)
             return original(ctx, x, weight, bias, *rest)
 
         def backward(ctx, *grads):
@@ -644,6 +642,10 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
         # How long compute waits for copies (two event records per fetch: well under 1% of a step).
         os.environ.setdefault("LAYERSTREAM_TIME_WAITS", "1")
     stock_counter = StockCopyCounter(package.manager_modules) if mode == "stock" else None
+    # Cumulative counters of the bytes copied (layerstream's engine, or stock's staging calls), diffed over
+    # the timed steps.
+    counters = stock_counter.stats if stock_counter is not None else (
+        layerstream_stats if mode == "layerstream" else None)
     t0 = time.perf_counter()
     if package is None:
         model.to(device)
@@ -680,10 +682,8 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
     nvml = _Nvml(device.index or 0) if device.type == "cuda" else None
     energy_start = None
     for step in range(args.warmup + args.steps):
-        if step == args.warmup and mode == "layerstream":
-            stats_at_start = layerstream_stats()  # engine counters are cumulative: diff over the timed steps
-        if step == args.warmup and stock_counter is not None:
-            stats_at_start = stock_counter.stats()
+        if step == args.warmup and counters is not None:
+            stats_at_start = counters()
         _sync(device)
         if step == args.warmup and nvml is not None:
             energy_start = nvml.energy_mj()
@@ -698,13 +698,11 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
               f"loss {losses[-1]:.6g}", flush=True)
 
     energy_end = nvml.energy_mj() if nvml is not None else None
-    # The engine's counters at the end of the timed steps: the steps below copy too, and counting them
-    # would add a sixth step's bytes to five (seen: FLUX.1's bytes/step and floor read 6/5 of the truth).
-    stats_end = layerstream_stats() if mode not in ("resident", "stock") else None
-    stock_end = stock_counter.stats() if stock_counter is not None else None
-    byte_counter = stock_counter.stats if stock_counter is not None else (
-        layerstream_stats if stats_end is not None else None)
-    phases = phase_split(model, (img, txt, vec), optimizer, sync_grads, device, byte_counter)
+    # The counters at the end of the timed steps: the steps below copy too, and counting them would add a
+    # sixth step's bytes to five (seen: FLUX.1's bytes/step and floor read 6/5 of the truth).
+    stats_end = counters() if counters is not None else None
+    phases = phase_split(model, (img, txt, vec), optimizer, sync_grads, device,
+                         counters if stats_end is not None else None)
     timeline = None
     if args.timeline_out and device.type == "cuda" and mode != "resident":
         # One more step (not timed) under the profiler: when the bus copied and when the GPU computed.
@@ -737,7 +735,7 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
     elif mode == "stock":
         row["pinned_bytes"], row["pinned_bytes_exact"] = stock_pinned_bytes(managed)
         # Counted at stock's own staging calls over the timed steps (see StockCopyCounter).
-        row["bytes_per_step"] = (stock_end["bytes_h2d"] - stats_at_start["bytes_h2d"]) / len(times)
+        row["bytes_per_step"] = (stats_end["bytes_h2d"] - stats_at_start["bytes_h2d"]) / len(times)
         stock_counter.close()
     else:
         stats = stats_end
