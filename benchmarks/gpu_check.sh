@@ -24,8 +24,9 @@
 #   ddp    (nvidia-h200-x2) two-rank DDP LoRA on the FLUX.1 shapes: shared host copy vs private vs one rank,
 #          plus the two-process pytest of the shared copy on NCCL
 #   perf   FLUX.1-shaped: resident vs streamed bf16, streamed with float8 host storage, and stock vs
-#          layerstream under a 24 GiB cap with that cap as layerstream's VRAM budget; with
-#          LAYERSTREAM_PERF_RINGS="1024 1536" also the bf16 streamed run with those ring sizes (MiB)
+#          layerstream under a 24 GiB cap with that cap as layerstream's VRAM budget
+#   rings  FLUX.1-shaped bf16 100% streamed, layerstream alone, at several ring sizes and lookaheads
+#          (LAYERSTREAM_PERF_RINGS="default 1024 1536x16 ...": MiB, x layers)
 # One lent-machine call has 10 minutes: `core`, `py,quant`, `san` and `bench` each fit one call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -286,9 +287,20 @@ if want perf && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   # LAYERSTREAM_PERF_BUDGET=auto: the budget read from the cap (needs torch's get_per_process_memory_fraction).
   flux perf_cap LAYERSTREAM_VRAM_BUDGET="${LAYERSTREAM_PERF_BUDGET:-24GiB}" --preset flux1 \
     --mode stock,layerstream --vram-cap-gb 24 "${REF[@]}"
-  # Optional: the bf16 streamed run again with larger rings (deeper prefetch; a double-stream block whole).
-  for ring in ${LAYERSTREAM_PERF_RINGS:-}; do
-    flux "perf_ring$ring" LAYERSTREAM_RING_MB="$ring" --preset flux1 --mode layerstream
+fi
+
+if want rings && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
+  # FLUX.1 bf16 100% streamed, layerstream alone (about a minute each), once per item of
+  # LAYERSTREAM_PERF_RINGS: `default`, MIB (LAYERSTREAM_RING_MB) or MIBxN (and LAYERSTREAM_PREFETCH_LAYERS=N).
+  # The floors' compute time comes from LAYERSTREAM_REFERENCE_JSON (a run with a resident row) when given.
+  ensure_installed
+  REF=(); [[ -n ${LAYERSTREAM_REFERENCE_JSON:-} ]] && REF=(--reference-json "$LAYERSTREAM_REFERENCE_JSON")
+  for item in ${LAYERSTREAM_PERF_RINGS:-default 1024 1536 2048 3072}; do
+    envs=()
+    [[ $item != default ]] && envs+=(LAYERSTREAM_RING_MB="${item%%x*}")
+    [[ $item == *x* ]] && envs+=(LAYERSTREAM_PREFETCH_LAYERS="${item#*x}")
+    step "FLUX.1 bf16 100% streamed, ${envs[*]:-default ring and lookahead}"
+    flux "ring_$item" "${envs[@]}" --preset flux1 --mode layerstream --warmup 1 --steps 4 "${REF[@]}"
   done
 fi
 

@@ -35,15 +35,21 @@ std::vector<std::weak_ptr<DeviceState>>& registry() {
   return *r;
 }
 
-std::size_t env_mib(const char* name, std::size_t fallback, bool allow_zero = false) {
+// A whole number from the environment (`unit` names what it counts, for the message), or the fallback.
+std::size_t env_whole(const char* name, std::size_t fallback, bool allow_zero, const char* unit, const char* example) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return fallback;
   char* end = nullptr;
-  const unsigned long long mib = std::strtoull(v, &end, 10);
-  LS_CHECK_ARG(end != v && *end == '\0' && (mib > 0 || allow_zero), name, "=", v,
-               " is not a ", allow_zero ? "" : "positive ", "whole number of MiB; unset it or give e.g. ", name,
-               "=1024");
-  return static_cast<std::size_t>(mib) * kMiB;
+  const unsigned long long n = std::strtoull(v, &end, 10);
+  LS_CHECK_ARG(end != v && *end == '\0' && (n > 0 || allow_zero), name, "=", v, " is not a ",
+               allow_zero ? "" : "positive ", "whole number of ", unit, "; unset it or give e.g. ", name, "=", example);
+  return static_cast<std::size_t>(n);
+}
+
+std::size_t env_mib(const char* name, std::size_t fallback, bool allow_zero = false) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  return env_whole(name, 0, allow_zero, "MiB", "1024") * kMiB;
 }
 
 DeviceState::MemoryResolver& memory_resolver() {
@@ -107,6 +113,7 @@ HostBlockRef::~HostBlockRef() {
 DeviceState::DeviceState(const c10::Device& device, Mode mode) : device_(device), mode_(mode) {
   if (const char* p = std::getenv("LAYERSTREAM_PREFETCH"); p != nullptr && std::string(p) == "0") prefetch_ = false;
   resident_budget_ = env_mib("LAYERSTREAM_RESIDENT_MB", 0, /*allow_zero=*/true);
+  lookahead_layers_ = env_whole("LAYERSTREAM_PREFETCH_LAYERS", lookahead_layers_, false, "layers", "16");
   vram_budget_ = VramBudget::parse(std::getenv("LAYERSTREAM_VRAM_BUDGET"));
   ring_fixed_ = std::getenv("LAYERSTREAM_RING_MB") != nullptr;
   pool_ = std::make_shared<HostPool>();
@@ -279,7 +286,6 @@ DeviceMemoryView DeviceState::memory_view() {
 }
 
 void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now) {
-  constexpr std::size_t kLookahead = 8;
   if (!prefetch_ && !vram_budget_.enabled) return;
   std::lock_guard<std::mutex> lock(mu_);  // also keeps the engine from being rebuilt meanwhile
   if (!engine_) return;
@@ -310,7 +316,7 @@ void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now) {
   if (!prefetch_) return;
   const std::size_t budget = engine_->ring_capacity() / 3;
   std::size_t planned = 0;
-  for (LayerId next : predictor_.predict(kLookahead)) {
+  for (LayerId next : predictor_.predict(lookahead_layers_)) {
     if (next == layer) continue;
     const std::optional<std::size_t> bytes = layer_bytes_locked(next, /*in_ring=*/true);
     if (!bytes) break;  // that layer is gone (freed model): the prediction is stale

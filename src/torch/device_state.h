@@ -171,6 +171,9 @@ class DeviceState {
   std::array<std::atomic<std::uint64_t>, 3> dequant_counts_{};  // by DequantUse
   EngineStats retired_;  // counters of engines replaced by a larger one
   bool prefetch_ = true;
+  // How many predicted layers a call may copy ahead (and at most a third of the ring's bytes);
+  // LAYERSTREAM_PREFETCH_LAYERS.
+  std::size_t lookahead_layers_ = 8;
   std::atomic<std::size_t> largest_attached_{0};
   std::atomic<std::size_t> ring_expansion_permille_{1000};  // largest device_bytes / bytes of a layer, x1000
   static void raise_to(std::atomic<std::size_t>& value, std::size_t to) {

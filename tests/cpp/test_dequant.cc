@@ -94,8 +94,9 @@ TEST(Dequant, RefusesASpecItCannotComputeExactly) {
 #ifdef LAYERSTREAM_WITH_CUDA
 class DequantCuda : public testing::BackendTest {};
 
-// Every code type x output type x math type, rows of 8k codes (wide path) and of odd lengths (scalar
-// path), per-row and single scales: the kernel's bytes equal the reference's.
+// Every code type x output type x math type, rows of 16k codes (16-wide path), of 8k (8-wide path) and of
+// odd lengths (scalar path), codes at an address aligned to 16 or only to 8 (the 8-wide path again), per-row
+// and single scales: the kernel's bytes equal the reference's.
 TEST_P(DequantCuda, KernelEqualsTheReferenceBitForBit) {
   if (GetParam() != "cuda") GTEST_SKIP() << "the kernel runs on the cuda backend only";
   std::mt19937 rng(7);
@@ -103,62 +104,65 @@ TEST_P(DequantCuda, KernelEqualsTheReferenceBitForBit) {
   for (CodeType code : {CodeType::kFloat8E4M3, CodeType::kFloat8E5M2, CodeType::kInt8}) {
     for (RealType out_type : {RealType::kFloat32, RealType::kFloat16, RealType::kBFloat16}) {
       for (RealType scale_type : {RealType::kFloat32, RealType::kBFloat16, RealType::kFloat16}) {
-        for (std::size_t cols : {std::size_t{64}, std::size_t{13}}) {
-          for (bool per_row : {true, false}) {
-            DequantSpec spec;
-            spec.code = code;
-            spec.scale = scale_type;
-            spec.math = scale_type;
-            spec.out = out_type;
-            spec.rows = 37;
-            spec.cols = cols;
-            spec.per_row = per_row;
-            const std::size_t n = spec.rows * cols;
-            std::vector<std::uint8_t> codes(n);
-            for (auto& c : codes) c = static_cast<std::uint8_t>(rng());
-            std::vector<unsigned char> scales(spec.rows * real_size(scale_type));
-            std::uniform_real_distribution<float> dist(1e-4f, 3.0f);
-            for (std::size_t r = 0; r < spec.rows; ++r) {
-              const float s = dist(rng);
-              if (scale_type == RealType::kFloat32) std::memcpy(&scales[r * 4], &s, 4);
-              if (scale_type == RealType::kBFloat16) {
-                const std::uint16_t h = float_to_bf16_bits(s);
-                std::memcpy(&scales[r * 2], &h, 2);
+        for (std::size_t cols : {std::size_t{64}, std::size_t{24}, std::size_t{13}}) {
+          for (std::size_t offset : {std::size_t{0}, std::size_t{8}}) {
+            for (bool per_row : {true, false}) {
+              DequantSpec spec;
+              spec.code = code;
+              spec.scale = scale_type;
+              spec.math = scale_type;
+              spec.out = out_type;
+              spec.rows = 37;
+              spec.cols = cols;
+              spec.per_row = per_row;
+              const std::size_t n = spec.rows * cols;
+              std::vector<std::uint8_t> codes(n);
+              for (auto& c : codes) c = static_cast<std::uint8_t>(rng());
+              std::vector<unsigned char> scales(spec.rows * real_size(scale_type));
+              std::uniform_real_distribution<float> dist(1e-4f, 3.0f);
+              for (std::size_t r = 0; r < spec.rows; ++r) {
+                const float s = dist(rng);
+                if (scale_type == RealType::kFloat32) std::memcpy(&scales[r * 4], &s, 4);
+                if (scale_type == RealType::kBFloat16) {
+                  const std::uint16_t h = float_to_bf16_bits(s);
+                  std::memcpy(&scales[r * 2], &h, 2);
+                }
+                if (scale_type == RealType::kFloat16) {
+                  const std::uint16_t h = float_to_fp16_bits(s);
+                  std::memcpy(&scales[r * 2], &h, 2);
+                }
               }
-              if (scale_type == RealType::kFloat16) {
-                const std::uint16_t h = float_to_fp16_bits(s);
-                std::memcpy(&scales[r * 2], &h, 2);
-              }
-            }
-            const std::size_t out_bytes = n * real_size(out_type);
-            std::vector<unsigned char> expected(out_bytes);
-            dequantize_host(spec, codes.data(), scales.data(), expected.data());
+              const std::size_t out_bytes = n * real_size(out_type);
+              std::vector<unsigned char> expected(out_bytes);
+              dequantize_host(spec, codes.data(), scales.data(), expected.data());
 
-            void* d_codes = backend().device_alloc(n);
-            void* d_scales = backend().device_alloc(scales.size());
-            void* d_out = backend().device_alloc(out_bytes);
-            PinnedBuffer h_codes(backend(), n, PinMethod::kHostAlloc);
-            PinnedBuffer h_scales(backend(), scales.size(), PinMethod::kHostAlloc);
-            std::memcpy(h_codes.data(), codes.data(), n);
-            std::memcpy(h_scales.data(), scales.data(), scales.size());
-            backend().memcpy_h2d_async(d_codes, h_codes.data(), n, stream);
-            backend().memcpy_h2d_async(d_scales, h_scales.data(), scales.size(), stream);
-            dequantize_cuda(spec, d_codes, d_scales, d_out, stream.raw);
-            const std::vector<unsigned char> got = read_back(d_out, out_bytes, stream);
-            backend().device_free(d_codes);
-            backend().device_free(d_scales);
-            backend().device_free(d_out);
-            // NaN codes decode to a NaN whose payload may differ; compare the rest bit for bit.
-            std::size_t mismatches = 0;
-            const std::size_t width = real_size(out_type);
-            for (std::size_t i = 0; i < n; ++i) {
-              const float e = decode_real(out_type, &expected[i * width]);
-              if (std::isnan(e) && std::isnan(decode_real(out_type, &got[i * width]))) continue;
-              if (std::memcmp(&expected[i * width], &got[i * width], width) != 0) ++mismatches;
+              void* d_codes_block = backend().device_alloc(n + offset);
+              void* d_codes = static_cast<unsigned char*>(d_codes_block) + offset;
+              void* d_scales = backend().device_alloc(scales.size());
+              void* d_out = backend().device_alloc(out_bytes);
+              PinnedBuffer h_codes(backend(), n, PinMethod::kHostAlloc);
+              PinnedBuffer h_scales(backend(), scales.size(), PinMethod::kHostAlloc);
+              std::memcpy(h_codes.data(), codes.data(), n);
+              std::memcpy(h_scales.data(), scales.data(), scales.size());
+              backend().memcpy_h2d_async(d_codes, h_codes.data(), n, stream);
+              backend().memcpy_h2d_async(d_scales, h_scales.data(), scales.size(), stream);
+              dequantize_cuda(spec, d_codes, d_scales, d_out, stream.raw);
+              const std::vector<unsigned char> got = read_back(d_out, out_bytes, stream);
+              backend().device_free(d_codes_block);
+              backend().device_free(d_scales);
+              backend().device_free(d_out);
+              // NaN codes decode to a NaN whose payload may differ; compare the rest bit for bit.
+              std::size_t mismatches = 0;
+              const std::size_t width = real_size(out_type);
+              for (std::size_t i = 0; i < n; ++i) {
+                const float e = decode_real(out_type, &expected[i * width]);
+                if (std::isnan(e) && std::isnan(decode_real(out_type, &got[i * width]))) continue;
+                if (std::memcmp(&expected[i * width], &got[i * width], width) != 0) ++mismatches;
+              }
+              EXPECT_EQ(mismatches, 0u) << code_name(code) << " out " << static_cast<int>(out_type) << " scale "
+                                        << static_cast<int>(scale_type) << " cols " << cols << " per_row "
+                                        << per_row << " offset " << offset;
             }
-            EXPECT_EQ(mismatches, 0u) << code_name(code) << " out " << static_cast<int>(out_type) << " scale "
-                                      << static_cast<int>(scale_type) << " cols " << cols << " per_row "
-                                      << per_row;
           }
         }
       }

@@ -371,6 +371,32 @@ def test_prefetch_learns_the_step_order_without_changing_results(engine, device,
     assert stats["prefetch_hits"] > 0.5 * stats["prefetches"]
 
 
+def test_the_lookahead_is_a_number_of_layers_the_environment_may_set(engine, device, monkeypatch):
+    if engine == "cpu":
+        pytest.skip("the CPU mode has no engine to prefetch with")
+    monkeypatch.setenv("LAYERSTREAM_RING_MB", "4")
+    torch.manual_seed(8)
+    base = TinyTransformer(d=256, ff=512, layers=4, checkpointing="non_reentrant").requires_grad_(False)
+    resident = copy.deepcopy(base).to(device)
+    ref_losses = train_lora(resident, [lo.to(device) for lo in apply_lora(resident)], device, 3)
+    monkeypatch.setenv("LAYERSTREAM_PREFETCH_LAYERS", "two")
+    clear_device_states()
+    with pytest.raises(ValueError, match="LAYERSTREAM_PREFETCH_LAYERS=two is not a positive whole number of "
+                                         "layers; unset it or give e.g. LAYERSTREAM_PREFETCH_LAYERS=16"):
+        ContractManager.attach(mm, copy.deepcopy(base), device).to_device()
+    for layers in ("1", "16"):
+        monkeypatch.setenv("LAYERSTREAM_PREFETCH_LAYERS", layers)
+        clear_device_states()
+        managed = copy.deepcopy(base)
+        ContractManager.attach(mm, managed, device).to_device()
+        loras = [lo.to(device) for lo in apply_lora(managed)]
+        assert train_lora(managed, loras, device, 3, mm.sync_grad_transfers) == ref_losses
+        stats = mm._DEVICE_STATE[device].stats()
+        assert stats["prefetches"] > 0
+        if layers == "1":  # one predicted layer per call at most
+            assert stats["prefetches"] <= stats["fetches"]
+
+
 # ---- residency --------------------------------------------------------------------------------------
 
 def test_resident_budget_keeps_layers_on_the_device_and_changes_no_result(engine, device, monkeypatch):
