@@ -300,7 +300,7 @@ if want rings && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
     [[ $item != default ]] && envs+=(LAYERSTREAM_RING_MB="${item%%x*}")
     [[ $item == *x* ]] && envs+=(LAYERSTREAM_PREFETCH_LAYERS="${item#*x}")
     step "FLUX.1 bf16 100% streamed, ${envs[*]:-default ring and lookahead}"
-    flux "ring_$item" "${envs[@]}" --preset flux1 --mode layerstream --warmup 1 --steps 4 "${REF[@]}"
+    flux "ring_$item" "${envs[@]}" --preset flux1 --mode layerstream --warmup 3 --steps 4 "${REF[@]}"
   done
 fi
 
@@ -310,7 +310,7 @@ if want sweep && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   # under a cap stock and layerstream (budget = the cap).
   ensure_installed
   for item in ${LAYERSTREAM_SWEEP:-rank32 rank512 rank1280 nockpt cap16}; do
-    SW=(--preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --warmup 1 --steps 3)
+    SW=(--preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --warmup 3 --steps 3)
     case $item in
       rank*) step "FLUX.1 side by side, LoRA rank ${item#rank}"
              flux "sweep_$item" "${SW[@]}" --mode resident,stock,layerstream --rank "${item#rank}" ;;
@@ -334,12 +334,12 @@ if want quanto && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   if [[ $QRUNS == *,flux1,* ]]; then
     step "FLUX.1-shaped, optimum-quanto qfloat8 weights: resident, stock, layerstream"
     flux quanto_flux1 --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --mode resident,stock,layerstream \
-      --quantize qfloat8 --warmup 1 --steps 3
+      --quantize qfloat8 --warmup 3 --steps 3
   fi
   if [[ $QRUNS == *,flux2cap,* ]]; then
     step "FLUX.2-shaped, optimum-quanto qfloat8 weights, 24 GiB cap: stock, layerstream (budget = cap)"
     flux quanto_flux2cap LAYERSTREAM_VRAM_BUDGET=24GiB --preset flux2 --mode stock,layerstream --quantize qfloat8 \
-      --vram-cap-gb 24 --warmup 1 --steps 3
+      --vram-cap-gb 24 --warmup 3 --steps 3
   fi
 fi
 
@@ -349,7 +349,7 @@ if want perf2 && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   # same layerstream run with float8 host storage.
   ensure_installed
   RUNS=",${LAYERSTREAM_PERF2_RUNS:-resident,cap,fp8},"
-  F2=(--preset flux2 --warmup 1 --steps 3)
+  F2=(--preset flux2 --warmup 3 --steps 3)
   step "FLUX.2-shaped (32B): runs ${RUNS}"
   [[ $RUNS == *,resident,* ]] && flux perf2_resident "${F2[@]}" --mode resident
   # The capped runs take the floors' compute times from the resident run when it ran first here.

@@ -176,14 +176,30 @@ std::vector<std::shared_ptr<DeviceState>> DeviceState::live() {
   return out;
 }
 
-std::size_t DeviceState::ring_bytes_for(std::size_t layer_bytes) const {
+std::size_t DeviceState::ring_floor(bool deep) const {
+  if (mode_ != Mode::kCuda) return 0;
+  const std::size_t expansion = ring_expansion_permille_.load();
+  // At least 512 MiB, so that a block's layers stay in the ring together (more when layers carry scratch
+  // for their dequantized weights: by as much as it adds to a layer).
+  const std::size_t shallow = ring_unit(512 * kMiB * expansion / 1000);
+  if (!deep || vram_budget_.enabled) return shallow;  // a budget's plan sizes the ring itself
+  // Without a budget, an eighth of the device up to 3 GiB of streamed bytes (times the scratch factor, within
+  // the eighth). Measured on FLUX.1, 100% streamed on the H200 (2026-11-30): 512 MiB 0.99 s/step, 1 GiB
+  // 0.92, 1.5 GiB 0.89, 3 GiB 0.86. The deeper ring keeps the first blocks of the forward from the
+  // backward before it and the last ones for the backward after it (fewer bytes), and lets copies run
+  // further ahead of the backward's compute, which the double-stream blocks at its end need (their copies
+  // take longer than their compute).
+  const std::size_t eighth = pool_->backend->device_memory_info().second / 8;
+  const std::size_t deep_bytes = std::min(std::clamp(eighth, 512 * kMiB, 3072 * kMiB) * expansion / 1000,
+                                          std::max(eighth, shallow));
+  return std::max(shallow, ring_unit(deep_bytes));
+}
+
+std::size_t DeviceState::ring_bytes_for(std::size_t layer_bytes, bool deep) const {
   const std::size_t aligned = ring_unit(layer_bytes);
   // Three of the largest layer guarantee room for the next one wherever the held one sits, with
-  // headroom for reuse; on a GPU at least 512 MiB, so that a block's layers stay resident together (more
-  // when layers carry scratch for their dequantized weights: by as much as it adds to a layer).
-  const std::size_t floor =
-      mode_ == Mode::kCuda ? ring_unit(512 * kMiB * ring_expansion_permille_.load() / 1000) : 0;
-  const std::size_t wanted = env_mib("LAYERSTREAM_RING_MB", std::max(3 * aligned, floor));
+  // headroom for reuse; on a GPU at least ring_floor().
+  const std::size_t wanted = env_mib("LAYERSTREAM_RING_MB", std::max(3 * aligned, ring_floor(deep)));
   LS_CHECK_ARG(wanted >= aligned, "LAYERSTREAM_RING_MB is ", wanted / kMiB,
                " MiB, smaller than a layer of ", layer_bytes, " bytes; raise it to at least ",
                (aligned + kMiB - 1) / kMiB, " MiB (3x that is better)");
@@ -241,14 +257,28 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
     options.ring_allocator.deallocate = [](void* p) { c10::cuda::CUDACachingAllocator::raw_delete(p); };
   }
 #endif
+  // The deep default ring is a preference: where the device cannot hold it, the shallow one.
+  const std::size_t shallow = replan || ring_fixed_ ? options.ring_bytes
+                                                    : ring_bytes_for(std::max(layer_bytes, largest_attached_.load()),
+                                                                     /*deep=*/false);
+  auto build = [&] { engine_ = std::make_unique<TransferEngine>(*pool_->backend, options); };
   try {
-    engine_ = std::make_unique<TransferEngine>(*pool_->backend, options);
+    try {
+      build();
+    } catch (const OutOfDeviceMemory& first) {
+      if (shallow >= options.ring_bytes) throw;
+      log(LogLevel::kWarning, detail::concat("layerstream: no room for a device ring of ", options.ring_bytes / kMiB,
+                                             " MiB on ", describe(), " (", first.what(), "); using ", shallow / kMiB,
+                                             " MiB instead (fewer copies ahead of need; LAYERSTREAM_RING_MB sets it)"));
+      options.ring_bytes = shallow;
+      build();
+    }
   } catch (const OutOfDeviceMemory& e) {
     throw OutOfDeviceMemory(detail::concat(
         "layerstream could not allocate its device ring of ", options.ring_bytes / kMiB, " MiB on ", describe(),
-        " (LAYERSTREAM_RING_MB; by default 3x the largest layer, at least 512 MiB on a GPU, more for quantized "
-        "layers; this model's "
-        "largest layer needs ", (layer_bytes + kMiB - 1) / kMiB, " MiB): ", e.what(),
+        " (LAYERSTREAM_RING_MB; by default 3x the largest layer, at least 512 MiB on a GPU and without a VRAM "
+        "budget an eighth of the device up to 3 GiB, more for quantized layers; this model's largest layer "
+        "needs ", (layer_bytes + kMiB - 1) / kMiB, " MiB): ", e.what(),
         ". Free device memory, or set LAYERSTREAM_RING_MB lower, then call the layer again"));
   }
   ++generation_;

@@ -159,7 +159,11 @@ class DeviceState {
 
  private:
   DeviceState(const c10::Device& device, Mode mode);
-  std::size_t ring_bytes_for(std::size_t layer_bytes) const;
+  // The ring for a largest layer of `layer_bytes`: LAYERSTREAM_RING_MB, else 3x the layer and at least
+  // ring_floor(deep).
+  std::size_t ring_bytes_for(std::size_t layer_bytes, bool deep = true) const;
+  // The least ring on a GPU (0 elsewhere): 512 MiB, or deep and without a VRAM budget up to 3 GiB.
+  std::size_t ring_floor(bool deep) const;
 
   c10::Device device_;
   Mode mode_;

@@ -293,6 +293,37 @@ def test_device_memory_exhausted_for_the_ring_is_a_clear_oom_error_and_recoverab
         clear_device_states()
 
 
+def test_a_gpu_without_room_for_the_deep_default_ring_gets_the_shallow_one_and_says_so(engine, device, caplog):
+    """Without LAYERSTREAM_RING_MB or a VRAM budget the ring on a GPU is an eighth of the device up to 3 GiB;
+    where the process may not hold that much it is 512 MiB instead, with one warning, and the layer works."""
+    if engine != "cuda":
+        pytest.skip("the deep default ring is a GPU's (the simulator's ring is 3x the largest layer)")
+    clear_device_states()
+    device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.mem_get_info(device)[1]
+    deep = min(max(total // 8, 512 << 20), 3072 << 20)
+    assert deep > 512 << 20, "this GPU's eighth is the shallow ring already: nothing to fall back from"
+    try:
+        torch.manual_seed(5)
+        layer = _attach(torch.nn.Linear(256, 256), device)
+        x = torch.randn(2, 256, device=device)
+        want = torch.nn.functional.linear(x, layer.weight.to(device), layer.bias.to(device))
+        assert torch.equal(layer(x), want)
+        assert mm.stats()["ring_bytes"] == deep  # room enough: the deep ring
+        clear_device_states()
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction((deep - (256 << 20)) / total, device)  # no room for it
+        layer = _attach(torch.nn.Linear(256, 256), device)
+        with caplog.at_level(logging.WARNING, logger="layerstream"):
+            assert torch.equal(layer(x), want)
+        assert mm.stats()["ring_bytes"] == 512 << 20
+        warned = [r.getMessage() for r in caplog.records if "no room for a device ring" in r.getMessage()]
+        assert len(warned) == 1 and f"of {deep >> 20} MiB" in warned[0] and "using 512 MiB instead" in warned[0]
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        clear_device_states()
+
+
 # ---- bad input --------------------------------------------------------------------------------------------
 
 def _attach(layer, device):
