@@ -15,6 +15,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #endif
 
 namespace layerstream::torchglue {
@@ -56,6 +57,25 @@ DeviceState::MemoryResolver& memory_resolver() {
   static auto* r = new DeviceState::MemoryResolver();
   return *r;
 }
+
+#ifdef LAYERSTREAM_TORCH_CUDA
+// The stream that device memory from torch's caching allocator is taken for (see engine_for): one per
+// device, created at first use and never destroyed (torch's own pool streams may run other work).
+cudaStream_t allocation_stream(c10::DeviceIndex index) {
+  static std::mutex m;
+  static auto* streams = new std::unordered_map<int, cudaStream_t>();  // outlives static teardown
+  std::lock_guard<std::mutex> lock(m);
+  auto it = streams->find(index);
+  if (it != streams->end()) return it->second;
+  c10::cuda::CUDAGuard guard(index);
+  cudaStream_t s = nullptr;
+  const cudaError_t status = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  LS_CHECK(status == cudaSuccess, "could not create a CUDA stream on device ", static_cast<int>(index), ": ",
+           cudaGetErrorString(status));
+  streams->emplace(index, s);
+  return s;
+}
+#endif
 
 }  // namespace
 
@@ -240,16 +260,22 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
 #ifdef LAYERSTREAM_TORCH_CUDA
   if (mode_ == Mode::kCuda) {
     // Ring memory from torch's caching allocator: it then counts in torch.cuda.memory_allocated() and
-    // obeys set_per_process_memory_fraction, like every other tensor of the process. Allocated on the
-    // engine's H2D stream, which writes it first: raw_alloc() would take the current (compute) stream,
-    // and the allocator may then return a block freed on it whose kernels are still queued, which our
-    // copies on the H2D stream would race (seen: a VRAM budget's resident copies overwritten mid-run).
+    // obeys set_per_process_memory_fraction, like every other tensor of the process. The allocator pools
+    // freed blocks by the stream they were allocated for, and hands a block to an allocation for the same
+    // stream even while kernels queued there may still use it. So not the current (compute) stream: a
+    // block freed there with kernels still queued could be filled by our copy first and overwritten by them
+    // after (seen: a VRAM budget's resident copies overwritten mid-run). Nor the engine's own H2D stream,
+    // which every engine creates anew: each ring freed would stay cached for a stream that no longer exists,
+    // taken back only when an allocation of this process fails (seen: fifty engines in one process held
+    // the whole H200, and processes beside it ran out of memory). A stream of layerstream's own per device,
+    // which never runs anything and lives as long as the process: every block in its pool was freed by
+    // us, and we free only memory that nothing reads or writes any more (the engine synchronizes first).
     const c10::DeviceIndex index = device_.index();
-    options.ring_allocator.allocate = [index](std::size_t bytes, StreamHandle writer) -> void* {
+    const cudaStream_t key = allocation_stream(index);
+    options.ring_allocator.allocate = [index, key](std::size_t bytes, StreamHandle) -> void* {
       c10::cuda::CUDAGuard guard(index);
       try {
-        return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes,
-                                                                      static_cast<cudaStream_t>(writer.raw));
+        return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes, key);
       } catch (const c10::OutOfMemoryError&) {
         return nullptr;
       }
