@@ -204,14 +204,15 @@ std::size_t DeviceState::ring_floor(bool deep) const {
   const std::size_t shallow = ring_unit(512 * kMiB * expansion / 1000);
   if (!deep || vram_budget_.enabled) return shallow;  // a budget's plan sizes the ring itself
   // Without a budget, an eighth of the device up to 3 GiB of streamed bytes (times the scratch factor, within
-  // the eighth). Measured on FLUX.1, 100% streamed on the H200 (2026-11-30): 512 MiB 0.99 s/step, 1 GiB
+  // the eighth), and at most what the attached layers take. Measured on FLUX.1, 100% streamed on the H200 (2026-11-30): 512 MiB 0.99 s/step, 1 GiB
   // 0.92, 1.5 GiB 0.89, 3 GiB 0.86. The deeper ring keeps the first blocks of the forward from the
   // backward before it and the last ones for the backward after it (fewer bytes), and lets copies run
   // further ahead of the backward's compute, which the double-stream blocks at its end need (their copies
   // take longer than their compute).
+  // Never more than the layers attached here take (a ring larger than the model holds nothing more).
   const std::size_t eighth = pool_->backend->device_memory_info().second / 8;
-  const std::size_t deep_bytes = std::min(std::clamp(eighth, 512 * kMiB, 3072 * kMiB) * expansion / 1000,
-                                          std::max(eighth, shallow));
+  const std::size_t deep_bytes = std::min({std::clamp(eighth, 512 * kMiB, 3072 * kMiB) * expansion / 1000,
+                                           std::max(eighth, shallow), attached_device_bytes_.load()});
   return std::max(shallow, ring_unit(deep_bytes));
 }
 

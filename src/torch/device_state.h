@@ -117,6 +117,7 @@ class DeviceState {
   void note_attached(std::size_t bytes, std::size_t device_bytes) {
     raise_to(largest_attached_, device_bytes);
     raise_to(ring_expansion_permille_, device_bytes * 1000 / std::max<std::size_t>(bytes, 1));
+    attached_device_bytes_ += device_bytes;
   }
   // The engine as it is (nullptr before the first streamed call), never building one.
   TransferEngine* current_engine();
@@ -179,6 +180,7 @@ class DeviceState {
   // LAYERSTREAM_PREFETCH_LAYERS.
   std::size_t lookahead_layers_ = 8;
   std::atomic<std::size_t> largest_attached_{0};
+  std::atomic<std::size_t> attached_device_bytes_{0};  // every layer's device_bytes ever attached here
   std::atomic<std::size_t> ring_expansion_permille_{1000};  // largest device_bytes / bytes of a layer, x1000
   static void raise_to(std::atomic<std::size_t>& value, std::size_t to) {
     std::size_t seen = value.load();

@@ -438,6 +438,6 @@ def test_the_ring_floor_grows_with_the_scratch_of_quantized_layers(engine, devic
     permille = in_ring * 1000 // packed
     shallow = _align(512 * mib * permille // 1000)
     eighth = torch.cuda.mem_get_info(device)[1] // 8
-    deep = min(min(max(eighth, 512 * mib), 3072 * mib) * permille // 1000, max(eighth, shallow))
-    floor = max(shallow, _align(deep))
+    deep = min(min(max(eighth, 512 * mib), 3072 * mib) * permille // 1000, max(eighth, shallow), in_ring)
+    floor = max(shallow, _align(deep))  # the deep ring is at most what the attached layers take: here tiny
     assert mm.stats()["ring_bytes"] == max(3 * _align(in_ring), floor)
