@@ -188,7 +188,15 @@ if want san; then
   wait
   for tool in memcheck synccheck racecheck; do
     rc=$(cat "$OUT/pytest_$tool.rc" 2>/dev/null || echo missing)
-    if [[ $rc == 0 ]]; then echo "   ok   pytest_$tool: $(grep -E 'passed|failed' "$OUT/pytest_$tool.log" | tail -1)" | tee -a "$OUT/summary.txt"
+    log="$OUT/pytest_$tool.log"
+    tests_line=$(grep -E 'passed|failed' "$log" | tail -1)
+    # racecheck also reports the hazards inside cuDNN's own kernels (see `race`): those alone are no failure
+    # when every test passed.
+    if [[ $tool == racecheck && $rc == 1 && $tests_line != *failed* && $tests_line == *passed* ]] \
+        && (( $(grep -c "access at" "$log") > 0 && $(grep "access at" "$log" | grep -vc "_cudnn") == 0 )); then
+      echo "   ok   pytest_$tool: $tests_line; $(grep -c "access at" "$log") hazard lines, all in cuDNN kernels" \
+        | tee -a "$OUT/summary.txt"
+    elif [[ $rc == 0 ]]; then echo "   ok   pytest_$tool: $tests_line" | tee -a "$OUT/summary.txt"
     else
       [[ $rc == 124 ]] && rc="124 (timeout after ${LAYERSTREAM_SANITIZER_S:-480} s)"
       echo "   FAIL pytest_$tool rc=$rc" | tee -a "$OUT/summary.txt"
