@@ -371,6 +371,18 @@ def test_prefetch_learns_the_step_order_without_changing_results(engine, device,
     assert stats["prefetch_hits"] > 0.5 * stats["prefetches"]
 
 
+def _trained_with(monkeypatch, name, value, base, device, ref_losses):
+    """A fresh managed copy of `base` trained 3 LoRA steps with the environment variable `name` = `value`:
+    its losses must equal `ref_losses`; returns its device's stats."""
+    monkeypatch.setenv(name, value)
+    clear_device_states()
+    managed = copy.deepcopy(base)
+    ContractManager.attach(mm, managed, device).to_device()
+    loras = [lo.to(device) for lo in apply_lora(managed)]
+    assert train_lora(managed, loras, device, 3, mm.sync_grad_transfers) == ref_losses
+    return mm._DEVICE_STATE[device].stats()
+
+
 def test_the_lookahead_is_a_number_of_layers_the_environment_may_set(engine, device, monkeypatch):
     if engine == "cpu":
         pytest.skip("the CPU mode has no engine to prefetch with")
@@ -385,13 +397,7 @@ def test_the_lookahead_is_a_number_of_layers_the_environment_may_set(engine, dev
                                          "layers; unset it or give e.g. LAYERSTREAM_PREFETCH_LAYERS=16"):
         ContractManager.attach(mm, copy.deepcopy(base), device).to_device()
     for layers in ("1", "16"):
-        monkeypatch.setenv("LAYERSTREAM_PREFETCH_LAYERS", layers)
-        clear_device_states()
-        managed = copy.deepcopy(base)
-        ContractManager.attach(mm, managed, device).to_device()
-        loras = [lo.to(device) for lo in apply_lora(managed)]
-        assert train_lora(managed, loras, device, 3, mm.sync_grad_transfers) == ref_losses
-        stats = mm._DEVICE_STATE[device].stats()
+        stats = _trained_with(monkeypatch, "LAYERSTREAM_PREFETCH_LAYERS", layers, base, device, ref_losses)
         assert stats["prefetches"] > 0
         if layers == "1":  # one predicted layer per call at most
             assert stats["prefetches"] <= stats["fetches"]
@@ -411,13 +417,7 @@ def test_resident_budget_keeps_layers_on_the_device_and_changes_no_result(engine
     ref_losses = train_lora(resident, ref_loras, device, 3)
     runs = {}
     for budget in ("0", "3"):  # MiB: nothing resident, then about a third of the model's 8 MiB
-        monkeypatch.setenv("LAYERSTREAM_RESIDENT_MB", budget)
-        clear_device_states()
-        managed = copy.deepcopy(base)
-        ContractManager.attach(mm, managed, device).to_device()
-        loras = [lo.to(device) for lo in apply_lora(managed)]
-        assert train_lora(managed, loras, device, 3, mm.sync_grad_transfers) == ref_losses
-        runs[budget] = mm._DEVICE_STATE[device].stats()
+        runs[budget] = _trained_with(monkeypatch, "LAYERSTREAM_RESIDENT_MB", budget, base, device, ref_losses)
     with_budget, without = runs["3"], runs["0"]
     assert without["resident_bytes"] == 0
     assert 0 < with_budget["resident_bytes"] <= 3 << 20
