@@ -20,7 +20,8 @@
 #          (LAYERSTREAM_SWEEP picks)
 #   quanto FLUX.1-shaped with optimum-quanto qfloat8 weights in every mode: resident, stock, layerstream
 #   perf2  FLUX.2-shaped (32B) under a 24 GiB cap: stock vs layerstream (budget), and layerstream with float8
-#          host storage; the all-resident reference uncapped (a call of its own: about 9 minutes)
+#          host storage; the all-resident reference uncapped (a call of its own: about 9 minutes);
+#          LAYERSTREAM_PERF2_RUNS picks among them, LAYERSTREAM_PERF2_RINGS adds fixed-ring runs
 #   ddp    (nvidia-h200-x2) two-rank DDP LoRA on the FLUX.1 shapes: shared host copy vs private vs one rank,
 #          plus the two-process pytest of the shared copy on NCCL
 #   perf   FLUX.1-shaped: resident vs streamed bf16, streamed with float8 host storage, and stock vs
@@ -366,6 +367,13 @@ if want perf2 && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
     --vram-cap-gb 24 --timeline-out "$OUT/flux2-timeline.png"
   [[ $RUNS == *,fp8,* ]] && flux perf2_fp8 LAYERSTREAM_VRAM_BUDGET=24GiB "${F2[@]}" --mode layerstream \
     --host-dtype float8_e4m3fn --vram-cap-gb 24
+  # LAYERSTREAM_PERF2_RINGS="4096 6144": layerstream under the cap again with each ring size fixed (MiB), the
+  # budget's plan choosing only the resident layers (its own choice on 2026-11-30: 3x the largest layer,
+  # which holds less than one double-stream block).
+  for ring in ${LAYERSTREAM_PERF2_RINGS:-}; do
+    flux "perf2_ring$ring" LAYERSTREAM_VRAM_BUDGET=24GiB LAYERSTREAM_RING_MB="$ring" "${F2[@]}" --mode layerstream \
+      --vram-cap-gb 24
+  done
 fi
 
 if want ddp; then
