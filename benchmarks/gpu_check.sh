@@ -309,7 +309,8 @@ if want rings && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
     [[ $item != default ]] && envs+=(LAYERSTREAM_RING_MB="${item%%x*}")
     [[ $item == *x* ]] && envs+=(LAYERSTREAM_PREFETCH_LAYERS="${item#*x}")
     step "FLUX.1 bf16 100% streamed, ${envs[*]:-default ring and lookahead}"
-    flux "ring_$item" "${envs[@]}" --preset flux1 --mode layerstream --warmup 3 --steps 4 "${REF[@]}"
+    flux "ring_$item" "${envs[@]}" --preset flux1 --mode layerstream --warmup 3 --steps 4 "${REF[@]}" \
+      --timeline-out "$OUT/ring_$item.png"
   done
 fi
 
