@@ -26,8 +26,9 @@
 #          plus the two-process pytest of the shared copy on NCCL
 #   perf   FLUX.1-shaped: resident vs streamed bf16, streamed with float8 host storage, and stock vs
 #          layerstream under a 24 GiB cap with that cap as layerstream's VRAM budget
-#   rings  FLUX.1-shaped bf16 100% streamed, layerstream alone, at several ring sizes and lookaheads
-#          (LAYERSTREAM_PERF_RINGS="default 1024 1536x16 ...": MiB, x layers)
+#   rings  FLUX.1-shaped bf16 100% streamed, layerstream alone, at several ring sizes, lookaheads and
+#          placements (LAYERSTREAM_PERF_RINGS="default default:lru 1024 1536x16:lru ...": MiB, x layers,
+#          :fifo or :lru for LAYERSTREAM_RING_POLICY)
 # One lent-machine call has 10 minutes: `core`, `py,quant`, `san` and `bench` each fit one call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -306,11 +307,13 @@ if want rings && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   REF=(); [[ -n ${LAYERSTREAM_REFERENCE_JSON:-} ]] && REF=(--reference-json "$LAYERSTREAM_REFERENCE_JSON")
   for item in ${LAYERSTREAM_PERF_RINGS:-default 1024 1536 2048 3072}; do
     envs=()
-    [[ $item != default ]] && envs+=(LAYERSTREAM_RING_MB="${item%%x*}")
-    [[ $item == *x* ]] && envs+=(LAYERSTREAM_PREFETCH_LAYERS="${item#*x}")
+    size=${item%%:*}
+    [[ $item == *:* ]] && envs+=(LAYERSTREAM_RING_POLICY="${item#*:}")
+    [[ $size != default ]] && envs+=(LAYERSTREAM_RING_MB="${size%%x*}")
+    [[ $size == *x* ]] && envs+=(LAYERSTREAM_PREFETCH_LAYERS="${size#*x}")
     step "FLUX.1 bf16 100% streamed, ${envs[*]:-default ring and lookahead}"
-    flux "ring_$item" "${envs[@]}" --preset flux1 --mode layerstream --warmup 3 --steps 4 "${REF[@]}" \
-      --timeline-out "$OUT/ring_$item.png"
+    flux "ring_${item//:/-}" "${envs[@]}" --preset flux1 --mode layerstream --warmup 3 --steps 4 "${REF[@]}" \
+      --timeline-out "$OUT/ring_${item//:/-}.png"
   done
 fi
 

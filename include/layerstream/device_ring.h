@@ -4,6 +4,12 @@
 // the ring's head, which moves forward and wraps; placing a region evicts the regions it overlaps. No
 // allocation goes through a caching allocator after construction.
 //
+// Where a region goes (RingPolicy): kFifo at the head, evicting the oldest regions; kLeastRecentlyUsed
+// over the span whose most recently used region was used longest ago (a region is used when placed and
+// when released), so that where the order of use turns round (the backward after a forward: the block
+// used last is reused first and done first) the next copy takes the memory freed first instead of
+// waiting for the oldest region's readers. For a stream of layers each used once in order the two agree.
+//
 // Ownership and lifetime of a region:
 //   placed   -> the caller copies into it on its copy stream and records `ready` after the copy;
 //   held     -> hold count > 0: readers are using it; it is never evicted while held;
@@ -47,11 +53,13 @@ struct Eviction {
   std::vector<std::uint64_t> owners;
 };
 
+enum class RingPolicy { kFifo, kLeastRecentlyUsed };
+
 class DeviceRing {
  public:
   // With an `allocator`, `writer` is the stream that copies into the ring (see DeviceAllocator).
   DeviceRing(Backend& backend, std::size_t capacity_bytes, std::size_t alignment = 256,
-             DeviceAllocator allocator = {}, StreamHandle writer = {});
+             DeviceAllocator allocator = {}, StreamHandle writer = {}, RingPolicy policy = RingPolicy::kFifo);
   DeviceRing(const DeviceRing&) = delete;
   DeviceRing& operator=(const DeviceRing&) = delete;
 
@@ -78,6 +86,7 @@ class DeviceRing {
   std::size_t capacity() const { return capacity_; }
   std::size_t bytes_live() const;
   std::size_t regions_live() const { return regions_.size(); }
+  RingPolicy policy() const { return policy_; }
   // Events created so far (they are pooled and reused; tests check the pool stays bounded).
   std::size_t events_created() const { return events_.created(); }
   // Takes back the events of an Eviction once the caller has enqueued its waits on them.
@@ -90,16 +99,23 @@ class DeviceRing {
     std::uint64_t owner;
     int holds;
     ReleaseRecord released;
+    std::uint64_t last_use = 0;  // tick of its placement or latest release
   };
 
   void evict(std::map<RegionId, Region>::iterator it, Eviction& eviction);
   RegionId place_impl(std::size_t bytes, std::uint64_t owner, Eviction& eviction, int holds,
                       bool throw_when_full);
+  // kFifo: the first position from the head on that no held region overlaps. kLeastRecentlyUsed: see the
+  // header comment. Returns false when held regions leave no room.
+  bool find_fifo(std::size_t rounded, std::size_t& pos) const;
+  bool find_lru(std::size_t rounded, std::size_t& pos) const;
 
   std::size_t capacity_;
   std::size_t alignment_;
   DeviceBuffer memory_;
+  RingPolicy policy_;
   std::size_t head_ = 0;
+  std::uint64_t tick_ = 0;
   RegionId next_id_ = 1;
   std::map<RegionId, Region> regions_;
   EventPool events_;

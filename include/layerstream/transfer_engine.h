@@ -69,6 +69,9 @@ struct EngineOptions {
   // Measure how long consumers wait for copies: wait_ready() brackets its stream wait with two timed
   // events on the consumer stream (two event records more per fetch); wait_ready_host() times itself.
   bool time_waits = false;
+  // Where the ring places a region (device_ring.h): first in, first out (the default), or over the span used
+  // longest ago.
+  RingPolicy ring_policy = RingPolicy::kFifo;
 };
 
 struct Lease {

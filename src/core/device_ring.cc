@@ -14,9 +14,10 @@ bool overlaps(std::size_t a, std::size_t a_len, std::size_t b, std::size_t b_len
 }  // namespace
 
 DeviceRing::DeviceRing(Backend& backend, std::size_t capacity_bytes, std::size_t alignment,
-                       DeviceAllocator allocator, StreamHandle writer)
+                       DeviceAllocator allocator, StreamHandle writer, RingPolicy policy)
     : capacity_(capacity_bytes / alignment * alignment),
       alignment_(alignment),
+      policy_(policy),
       events_(backend) {
   LS_CHECK_ARG(alignment >= 1 && (alignment & (alignment - 1)) == 0,
                "DeviceRing: alignment must be a power of two, got ", alignment);
@@ -46,7 +47,34 @@ RegionId DeviceRing::place_impl(std::size_t bytes, std::uint64_t owner, Eviction
   LS_CHECK_ARG(rounded <= capacity_, "a layer of ", bytes, " bytes does not fit the device ring of ",
                capacity_, " bytes; raise the ring size to at least the largest layer");
 
-  std::size_t pos = head_ + rounded <= capacity_ ? head_ : 0;
+  std::size_t pos = 0;
+  const bool found = policy_ == RingPolicy::kFifo ? find_fifo(rounded, pos) : find_lru(rounded, pos);
+  if (!found) {
+    if (!throw_when_full) return 0;
+    std::size_t held_bytes = 0, held_regions = 0;
+    for (const auto& [id, r] : regions_) {
+      if (r.holds > 0) held_bytes += r.bytes, ++held_regions;
+    }
+    LS_FAIL("the device ring (", capacity_, " bytes) has no room for ", bytes, " bytes: ", held_regions,
+            " regions (", held_bytes,
+            " bytes) are still held by fetches that were not released; release layers after use "
+            "or enlarge the ring");
+  }
+
+  for (auto it = regions_.begin(); it != regions_.end();) {
+    auto next = std::next(it);
+    if (overlaps(pos, rounded, it->second.offset, it->second.bytes)) evict(it, eviction);
+    it = next;
+  }
+
+  const RegionId id = next_id_++;
+  regions_.emplace(id, Region{pos, rounded, owner, holds, {}, ++tick_});
+  head_ = pos + rounded == capacity_ ? 0 : pos + rounded;
+  return id;
+}
+
+bool DeviceRing::find_fifo(std::size_t rounded, std::size_t& pos) const {
+  pos = head_ + rounded <= capacity_ ? head_ : 0;
   std::size_t scanned = 0;
   for (;;) {
     // The held region overlapping the candidate range that ends last: skip past it.
@@ -58,36 +86,54 @@ RegionId DeviceRing::place_impl(std::size_t bytes, std::uint64_t owner, Eviction
         blocked = true;
       }
     }
-    if (!blocked) break;
+    if (!blocked) return true;
     scanned += skip_to - pos;
     pos = skip_to;
     if (pos + rounded > capacity_) {
       scanned += capacity_ - pos;
       pos = 0;
     }
-    if (scanned > capacity_ + rounded) {
-      if (!throw_when_full) return 0;
-      std::size_t held_bytes = 0, held_regions = 0;
-      for (const auto& [id, r] : regions_) {
-        if (r.holds > 0) held_bytes += r.bytes, ++held_regions;
+    if (scanned > capacity_ + rounded) return false;
+  }
+}
+
+bool DeviceRing::find_lru(std::size_t rounded, std::size_t& pos) const {
+  // Regions by offset; a span [p, p + rounded) overlaps a run of them. Candidate starts: the head (what
+  // kFifo would try first), 0, and every region's start and end.
+  std::vector<const Region*> by_offset;
+  by_offset.reserve(regions_.size());
+  for (const auto& [id, r] : regions_) by_offset.push_back(&r);
+  std::sort(by_offset.begin(), by_offset.end(), [](const Region* a, const Region* b) { return a->offset < b->offset; });
+  std::vector<std::size_t> starts = {head_, 0};
+  for (const Region* r : by_offset) {
+    starts.push_back(r->offset);
+    starts.push_back(r->offset + r->bytes);
+  }
+  bool found = false;
+  std::uint64_t best = 0;
+  for (std::size_t p : starts) {
+    if (p + rounded > capacity_) continue;
+    // The first region that ends after p, then every one that starts before the span's end.
+    auto it = std::lower_bound(by_offset.begin(), by_offset.end(), p,
+                               [](const Region* r, std::size_t at) { return r->offset + r->bytes <= at; });
+    std::uint64_t newest = 0;
+    bool held = false;
+    for (; it != by_offset.end() && (*it)->offset < p + rounded; ++it) {
+      if ((*it)->holds > 0) {
+        held = true;
+        break;
       }
-      LS_FAIL("the device ring (", capacity_, " bytes) has no room for ", bytes, " bytes: ",
-              held_regions, " regions (", held_bytes,
-              " bytes) are still held by fetches that were not released; release layers after use "
-              "or enlarge the ring");
+      newest = std::max(newest, (*it)->last_use);
+    }
+    if (held) continue;
+    // The span whose newest region is the oldest; on a tie the first candidate (the head) wins.
+    if (!found || newest < best) {
+      found = true;
+      best = newest;
+      pos = p;
     }
   }
-
-  for (auto it = regions_.begin(); it != regions_.end();) {
-    auto next = std::next(it);
-    if (overlaps(pos, rounded, it->second.offset, it->second.bytes)) evict(it, eviction);
-    it = next;
-  }
-
-  const RegionId id = next_id_++;
-  regions_.emplace(id, Region{pos, rounded, owner, holds, {}});
-  head_ = pos + rounded == capacity_ ? 0 : pos + rounded;
-  return id;
+  return found;
 }
 
 void DeviceRing::hold(RegionId region) {
@@ -105,6 +151,7 @@ void DeviceRing::release(RegionId region, StreamHandle consumer) {
   LS_CHECK_ARG(consumer, "DeviceRing::release: null consumer stream");
   it->second.released.record(consumer, events_);
   --it->second.holds;
+  it->second.last_use = ++tick_;
 }
 
 void DeviceRing::discard(RegionId region, Eviction& eviction) {

@@ -42,7 +42,8 @@ TransferEngine::TransferEngine(Backend& backend, EngineOptions options)
       d2h_(backend),
       arena_(backend, options.arena),
       // h2d_ is built first (declared first): the ring's memory is written on it.
-      ring_(backend, options.ring_bytes, options.arena.alignment, options.ring_allocator, h2d_.get()),
+      ring_(backend, options.ring_bytes, options.arena.alignment, options.ring_allocator, h2d_.get(),
+            options.ring_policy),
       events_(backend) {
   LS_CHECK_ARG(options_.bounce_buffers >= 1 && options_.bounce_bytes >= 4096,
                "TransferEngine: need at least one bounce buffer of at least 4096 bytes");

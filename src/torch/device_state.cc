@@ -134,6 +134,13 @@ DeviceState::DeviceState(const c10::Device& device, Mode mode) : device_(device)
   if (const char* p = std::getenv("LAYERSTREAM_PREFETCH"); p != nullptr && std::string(p) == "0") prefetch_ = false;
   resident_budget_ = env_mib("LAYERSTREAM_RESIDENT_MB", 0, /*allow_zero=*/true);
   lookahead_layers_ = env_whole("LAYERSTREAM_PREFETCH_LAYERS", lookahead_layers_, false, "layers", "16");
+  if (const char* p = std::getenv("LAYERSTREAM_RING_POLICY"); p != nullptr && *p != '\0') {
+    const std::string v(p);
+    LS_CHECK_ARG(v == "fifo" || v == "lru", "LAYERSTREAM_RING_POLICY=", v,
+                 " is not understood; give fifo (the default: a region goes at the ring's head) or lru (over "
+                 "the memory used longest ago)");
+    ring_policy_ = v == "lru" ? RingPolicy::kLeastRecentlyUsed : RingPolicy::kFifo;
+  }
   vram_budget_ = VramBudget::parse(std::getenv("LAYERSTREAM_VRAM_BUDGET"));
   ring_fixed_ = std::getenv("LAYERSTREAM_RING_MB") != nullptr;
   pool_ = std::make_shared<HostPool>();
@@ -248,6 +255,7 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
     engine_.reset();
   }
   EngineOptions options;
+  options.ring_policy = ring_policy_;
   options.ring_bytes = ring_bytes_for(std::max(layer_bytes, largest_attached_.load()));
   if (replan) {
     options.ring_bytes = std::max(planned_ring_bytes_, options.ring_bytes);
@@ -311,7 +319,8 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
   ++generation_;
   ++engines_built_;
   log(LogLevel::kInfo, "layerstream engine on " + describe() + ": device ring of " +
-                           std::to_string(options.ring_bytes) + " bytes");
+                           std::to_string(options.ring_bytes) + " bytes" +
+                           (ring_policy_ == RingPolicy::kLeastRecentlyUsed ? " (placement: least recently used)" : ""));
   return *engine_;
 }
 

@@ -179,6 +179,7 @@ class DeviceState {
   // How many predicted layers a call may copy ahead (and at most a third of the ring's bytes);
   // LAYERSTREAM_PREFETCH_LAYERS.
   std::size_t lookahead_layers_ = 8;
+  RingPolicy ring_policy_ = RingPolicy::kFifo;  // LAYERSTREAM_RING_POLICY
   std::atomic<std::size_t> largest_attached_{0};
   std::atomic<std::size_t> attached_device_bytes_{0};  // every layer's device_bytes ever attached here
   std::atomic<std::size_t> ring_expansion_permille_{1000};  // largest device_bytes / bytes of a layer, x1000

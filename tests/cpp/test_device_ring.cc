@@ -49,6 +49,34 @@ TEST_P(DeviceRingTest, HeldRegionsAreSkippedNeverOverwritten) {
   ring.release(d, consumer_.get());
 }
 
+// Where the order of use turns round (a forward's last layer is the backward's first), the
+// least-recently-used policy places the next region where the region released first was; first-in,
+// first-out takes the oldest placed, whose reader comes last. Held regions are skipped by both.
+TEST_P(DeviceRingTest, LeastRecentlyUsedTakesTheRegionReleasedFirst) {
+  for (RingPolicy policy : {RingPolicy::kFifo, RingPolicy::kLeastRecentlyUsed}) {
+    DeviceRing ring(backend(), 4096, 256, {}, {}, policy);
+    Eviction ev;
+    std::vector<RegionId> r;
+    for (std::uint64_t owner = 1; owner <= 4; ++owner) r.push_back(ring.place(1024, owner, ev));
+    for (int i = 3; i >= 0; --i) ring.release(r[static_cast<std::size_t>(i)], consumer_.get());  // 4, 3, 2, 1
+    const RegionId e = ring.place(1024, 5, ev);
+    const bool lru = policy == RingPolicy::kLeastRecentlyUsed;
+    EXPECT_EQ(ring.info(e).offset, lru ? 3072u : 0u);
+    EXPECT_EQ(ev.owners, (std::vector<std::uint64_t>{lru ? 4u : 1u}));
+    // Owner 3 (released second) is next for LRU; hold it and the span after it is taken instead.
+    ring.hold(r[2]);
+    ring.release(e, consumer_.get());
+    const RegionId f = ring.place(2048, 6, ev);
+    EXPECT_TRUE(ring.live(r[2]));
+    if (lru) {  // 0-2047 holds owners 1 and 2 (released last and third); 2048 is held: only 0 fits
+      EXPECT_EQ(ring.info(f).offset, 0u);
+      EXPECT_EQ(ev.owners, (std::vector<std::uint64_t>{4, 1, 2}));
+    }
+    ring.release(r[2], consumer_.get());
+    ring.release(f, consumer_.get());
+  }
+}
+
 TEST_P(DeviceRingTest, FullOfHeldRegionsIsAnErrorNotAHang) {
   DeviceRing ring(backend(), 4096, 256);
   Eviction ev;

@@ -85,6 +85,7 @@ Outcome run_schedule(std::uint64_t seed, Protocol protocol) {
   options.arena.chunk_bytes = 4096;
   options.bounce_bytes = 4096;
   options.bounce_buffers = static_cast<int>(pick(1, 3));
+  options.ring_policy = pick(0, 1) == 0 ? RingPolicy::kFifo : RingPolicy::kLeastRecentlyUsed;
   Outcome outcome;
   std::deque<std::vector<unsigned char>> seen;      // read back by the consumers
   std::deque<std::vector<unsigned char>> expected;  // host bytes at fetch time

@@ -403,6 +403,25 @@ def test_the_lookahead_is_a_number_of_layers_the_environment_may_set(engine, dev
             assert stats["prefetches"] <= stats["fetches"]
 
 
+def test_least_recently_used_placement_trains_exactly(engine, device, monkeypatch):
+    """LAYERSTREAM_RING_POLICY=lru places each copy over the ring's memory used longest ago; with a ring
+    half the model's size, layers come and go every step under both policies and train exactly."""
+    if engine == "cpu":
+        pytest.skip("the CPU mode has no ring")
+    monkeypatch.setenv("LAYERSTREAM_RING_MB", "4")
+    torch.manual_seed(8)
+    base = TinyTransformer(d=256, ff=512, layers=4, checkpointing="non_reentrant").requires_grad_(False)
+    resident = copy.deepcopy(base).to(device)
+    ref_losses = train_lora(resident, [lo.to(device) for lo in apply_lora(resident)], device, 3)
+    monkeypatch.setenv("LAYERSTREAM_RING_POLICY", "newest")
+    clear_device_states()
+    with pytest.raises(ValueError, match="LAYERSTREAM_RING_POLICY=newest is not understood; give fifo"):
+        ContractManager.attach(mm, copy.deepcopy(base), device).to_device()
+    for policy in ("fifo", "lru"):
+        stats = _trained_with(monkeypatch, "LAYERSTREAM_RING_POLICY", policy, base, device, ref_losses)
+        assert stats["reuse_hits"] > 0 and stats["sim_races"] == 0
+
+
 # ---- residency --------------------------------------------------------------------------------------
 
 def test_resident_budget_keeps_layers_on_the_device_and_changes_no_result(engine, device, monkeypatch):
