@@ -6,7 +6,7 @@
 //
 // Where a region goes (RingPolicy): kFifo at the head, evicting the oldest regions; kLeastRecentlyUsed
 // over the span whose most recently used region was used longest ago (a region is used when placed and
-// when released), so that where the order of use turns round (the backward after a forward: the block
+// when released; one placed ahead of need, unheld, counts as the newest until it is first held), so that where the order of use turns round (the backward after a forward: the block
 // used last is reused first and done first) the next copy takes the memory freed first instead of
 // waiting for the oldest region's readers. For a stream of layers each used once in order the two agree.
 //
@@ -99,8 +99,9 @@ class DeviceRing {
     std::uint64_t owner;
     int holds;
     ReleaseRecord released;
-    std::uint64_t last_use = 0;  // tick of its placement or latest release
+    std::uint64_t last_use = 0;  // tick of its placement or latest release; kNotYetUsed: prefetched, not read
   };
+  static constexpr std::uint64_t kNotYetUsed = ~std::uint64_t{0};
 
   void evict(std::map<RegionId, Region>::iterator it, Eviction& eviction);
   RegionId place_impl(std::size_t bytes, std::uint64_t owner, Eviction& eviction, int holds,

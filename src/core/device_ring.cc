@@ -68,7 +68,9 @@ RegionId DeviceRing::place_impl(std::size_t bytes, std::uint64_t owner, Eviction
   }
 
   const RegionId id = next_id_++;
-  regions_.emplace(id, Region{pos, rounded, owner, holds, {}, ++tick_});
+  // A prefetched region (placed unheld) counts as used most recently until its first reader holds it: its
+  // use is ahead, and taking it back first would throw the copy away.
+  regions_.emplace(id, Region{pos, rounded, owner, holds, {}, holds > 0 ? ++tick_ : kNotYetUsed});
   head_ = pos + rounded == capacity_ ? 0 : pos + rounded;
   return id;
 }
@@ -140,6 +142,7 @@ void DeviceRing::hold(RegionId region) {
   auto it = regions_.find(region);
   LS_CHECK_ARG(it != regions_.end(), "DeviceRing::hold: region ", region, " is not live");
   ++it->second.holds;
+  if (it->second.last_use == kNotYetUsed) it->second.last_use = ++tick_;
 }
 
 void DeviceRing::release(RegionId region, StreamHandle consumer) {

@@ -77,6 +77,28 @@ TEST_P(DeviceRingTest, LeastRecentlyUsedTakesTheRegionReleasedFirst) {
   }
 }
 
+// A region placed ahead of need (unheld) is not the least recently used before anyone has read it.
+TEST_P(DeviceRingTest, LeastRecentlyUsedKeepsAPrefetchedRegionUntilItIsRead) {
+  DeviceRing ring(backend(), 3072, 256, {}, {}, RingPolicy::kLeastRecentlyUsed);
+  Eviction ev;
+  const RegionId a = ring.place(1024, 1, ev);
+  const RegionId ahead = ring.try_place_unheld(1024, 2, ev);  // placed before a is released
+  ring.release(a, consumer_.get());
+  const RegionId c = ring.place(1024, 3, ev);  // the free third
+  ring.release(c, consumer_.get());
+  const RegionId d = ring.place(1024, 4, ev);  // a (released first), not the unread prefetch
+  EXPECT_TRUE(ring.live(ahead));
+  EXPECT_FALSE(ring.live(a));
+  EXPECT_EQ(ring.info(d).offset, 0u);
+  ring.hold(ahead);  // read now: from here on it ages like any region
+  ring.release(ahead, consumer_.get());
+  ring.release(d, consumer_.get());
+  const RegionId e = ring.place(1024, 5, ev);  // c was released before ahead and d
+  EXPECT_EQ(ring.info(e).offset, 2048u);
+  EXPECT_EQ(ev.owners, (std::vector<std::uint64_t>{1, 3}));
+  ring.release(e, consumer_.get());
+}
+
 TEST_P(DeviceRingTest, FullOfHeldRegionsIsAnErrorNotAHang) {
   DeviceRing ring(backend(), 4096, 256);
   Eviction ev;
