@@ -383,19 +383,28 @@ def _trained_with(monkeypatch, name, value, base, device, ref_losses):
     return mm._DEVICE_STATE[device].stats()
 
 
-def test_the_lookahead_is_a_number_of_layers_the_environment_may_set(engine, device, monkeypatch):
-    if engine == "cpu":
-        pytest.skip("the CPU mode has no engine to prefetch with")
+def _setting_refused_then_reference(monkeypatch, device, name, bad, message):
+    """A 4-layer model in a ring half its size: the setting `name`=`bad` is refused with `message` (a
+    ValueError at attach); returns the model and its all-resident losses over 3 LoRA steps."""
     monkeypatch.setenv("LAYERSTREAM_RING_MB", "4")
     torch.manual_seed(8)
     base = TinyTransformer(d=256, ff=512, layers=4, checkpointing="non_reentrant").requires_grad_(False)
     resident = copy.deepcopy(base).to(device)
     ref_losses = train_lora(resident, [lo.to(device) for lo in apply_lora(resident)], device, 3)
-    monkeypatch.setenv("LAYERSTREAM_PREFETCH_LAYERS", "two")
+    monkeypatch.setenv(name, bad)
     clear_device_states()
-    with pytest.raises(ValueError, match="LAYERSTREAM_PREFETCH_LAYERS=two is not a positive whole number of "
-                                         "layers; unset it or give e.g. LAYERSTREAM_PREFETCH_LAYERS=16"):
+    with pytest.raises(ValueError, match=message):
         ContractManager.attach(mm, copy.deepcopy(base), device).to_device()
+    return base, ref_losses
+
+
+def test_the_lookahead_is_a_number_of_layers_the_environment_may_set(engine, device, monkeypatch):
+    if engine == "cpu":
+        pytest.skip("the CPU mode has no engine to prefetch with")
+    base, ref_losses = _setting_refused_then_reference(
+        monkeypatch, device, "LAYERSTREAM_PREFETCH_LAYERS", "two",
+        "LAYERSTREAM_PREFETCH_LAYERS=two is not a positive whole number of layers; unset it or give e.g. "
+        "LAYERSTREAM_PREFETCH_LAYERS=16")
     for layers in ("1", "16"):
         stats = _trained_with(monkeypatch, "LAYERSTREAM_PREFETCH_LAYERS", layers, base, device, ref_losses)
         assert stats["prefetches"] > 0
@@ -408,15 +417,9 @@ def test_least_recently_used_placement_trains_exactly(engine, device, monkeypatc
     half the model's size, layers come and go every step under both policies and train exactly."""
     if engine == "cpu":
         pytest.skip("the CPU mode has no ring")
-    monkeypatch.setenv("LAYERSTREAM_RING_MB", "4")
-    torch.manual_seed(8)
-    base = TinyTransformer(d=256, ff=512, layers=4, checkpointing="non_reentrant").requires_grad_(False)
-    resident = copy.deepcopy(base).to(device)
-    ref_losses = train_lora(resident, [lo.to(device) for lo in apply_lora(resident)], device, 3)
-    monkeypatch.setenv("LAYERSTREAM_RING_POLICY", "newest")
-    clear_device_states()
-    with pytest.raises(ValueError, match="LAYERSTREAM_RING_POLICY=newest is not understood; give fifo"):
-        ContractManager.attach(mm, copy.deepcopy(base), device).to_device()
+    base, ref_losses = _setting_refused_then_reference(
+        monkeypatch, device, "LAYERSTREAM_RING_POLICY", "newest",
+        "LAYERSTREAM_RING_POLICY=newest is not understood; give fifo")
     for policy in ("fifo", "lru"):
         stats = _trained_with(monkeypatch, "LAYERSTREAM_RING_POLICY", policy, base, device, ref_losses)
         assert stats["reuse_hits"] > 0 and stats["sim_races"] == 0
