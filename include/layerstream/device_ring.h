@@ -6,9 +6,10 @@
 //
 // Where a region goes (RingPolicy): kFifo at the head, evicting the oldest regions; kLeastRecentlyUsed
 // over the span whose most recently used region was used longest ago (a region is used when placed and
-// when released; one placed ahead of need, unheld, counts as the newest until it is first held), so that where the order of use turns round (the backward after a forward: the block
-// used last is reused first and done first) the next copy takes the memory freed first instead of
-// waiting for the oldest region's readers. For a stream of layers each used once in order the two agree.
+// when released; one placed ahead of need, unheld, counts as the newest until it is first held), so that
+// where the order of use turns round (the backward after a forward: the block used last is reused first
+// and done first) the next copy takes the memory freed first instead of waiting for the oldest region's
+// readers. For a stream of layers each used once in order the two agree.
 //
 // Ownership and lifetime of a region:
 //   placed   -> the caller copies into it on its copy stream and records `ready` after the copy;
@@ -86,7 +87,6 @@ class DeviceRing {
   std::size_t capacity() const { return capacity_; }
   std::size_t bytes_live() const;
   std::size_t regions_live() const { return regions_.size(); }
-  RingPolicy policy() const { return policy_; }
   // Events created so far (they are pooled and reused; tests check the pool stays bounded).
   std::size_t events_created() const { return events_.created(); }
   // Takes back the events of an Eviction once the caller has enqueued its waits on them.

@@ -36,21 +36,21 @@ std::vector<std::weak_ptr<DeviceState>>& registry() {
   return *r;
 }
 
-// A whole number from the environment (`unit` names what it counts, for the message), or the fallback.
-std::size_t env_whole(const char* name, std::size_t fallback, bool allow_zero, const char* unit, const char* example) {
+// A whole number from the environment (`unit` names what it counts, for the message); nullopt when unset.
+std::optional<std::size_t> env_whole(const char* name, bool allow_zero, const char* unit, const char* example) {
   const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
+  if (v == nullptr || *v == '\0') return std::nullopt;
   char* end = nullptr;
   const unsigned long long n = std::strtoull(v, &end, 10);
   LS_CHECK_ARG(end != v && *end == '\0' && (n > 0 || allow_zero), name, "=", v, " is not a ",
-               allow_zero ? "" : "positive ", "whole number of ", unit, "; unset it or give e.g. ", name, "=", example);
+               allow_zero ? "" : "positive ", "whole number of ", unit, "; unset it or give e.g. ", name, "=",
+               example);
   return static_cast<std::size_t>(n);
 }
 
 std::size_t env_mib(const char* name, std::size_t fallback, bool allow_zero = false) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  return env_whole(name, 0, allow_zero, "MiB", "1024") * kMiB;
+  const std::optional<std::size_t> mib = env_whole(name, allow_zero, "MiB", "1024");
+  return mib ? *mib * kMiB : fallback;
 }
 
 DeviceState::MemoryResolver& memory_resolver() {
@@ -133,7 +133,7 @@ HostBlockRef::~HostBlockRef() {
 DeviceState::DeviceState(const c10::Device& device, Mode mode) : device_(device), mode_(mode) {
   if (const char* p = std::getenv("LAYERSTREAM_PREFETCH"); p != nullptr && std::string(p) == "0") prefetch_ = false;
   resident_budget_ = env_mib("LAYERSTREAM_RESIDENT_MB", 0, /*allow_zero=*/true);
-  lookahead_layers_ = env_whole("LAYERSTREAM_PREFETCH_LAYERS", lookahead_layers_, false, "layers", "16");
+  lookahead_layers_ = env_whole("LAYERSTREAM_PREFETCH_LAYERS", false, "layers", "16").value_or(lookahead_layers_);
   if (const char* p = std::getenv("LAYERSTREAM_RING_POLICY"); p != nullptr && *p != '\0') {
     const std::string v(p);
     LS_CHECK_ARG(v == "fifo" || v == "lru", "LAYERSTREAM_RING_POLICY=", v,
@@ -211,12 +211,12 @@ std::size_t DeviceState::ring_floor(bool deep) const {
   const std::size_t shallow = ring_unit(512 * kMiB * expansion / 1000);
   if (!deep || vram_budget_.enabled) return shallow;  // a budget's plan sizes the ring itself
   // Without a budget, an eighth of the device up to 3 GiB of streamed bytes (times the scratch factor, within
-  // the eighth), and at most what the attached layers take. Measured on FLUX.1, 100% streamed on the H200 (2026-11-30): 512 MiB 0.99 s/step, 1 GiB
+  // the eighth), and never more than the layers attached here take (a ring larger than the model holds
+  // nothing more). Measured on FLUX.1, 100% streamed on the H200 (2026-11-30): 512 MiB 0.99 s/step, 1 GiB
   // 0.92, 1.5 GiB 0.89, 3 GiB 0.86. The deeper ring keeps the first blocks of the forward from the
   // backward before it and the last ones for the backward after it (fewer bytes), and lets copies run
   // further ahead of the backward's compute, which the double-stream blocks at its end need (their copies
   // take longer than their compute).
-  // Never more than the layers attached here take (a ring larger than the model holds nothing more).
   const std::size_t eighth = pool_->backend->device_memory_info().second / 8;
   const std::size_t deep_bytes = std::min({std::clamp(eighth, 512 * kMiB, 3072 * kMiB) * expansion / 1000,
                                            std::max(eighth, shallow), attached_device_bytes_.load()});
