@@ -106,6 +106,10 @@ installed() { python3 -c 'import layerstream.manager_modules' 2>/dev/null; }
 # The package for the benchmark modes: built and installed unless it is already.
 ensure_installed() { installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .; }
 # The result rows of a flux_bench table (its --md-out) into the summary, each after `label`.
+# racecheck's hazard lines in LOG, all of them or those outside cuDNN's own kernels (which report hazards
+# without layerstream too: benchmarks/racecheck_control.py).
+race_hazards() { grep -c "access at" "$1"; }
+race_hazards_outside_cudnn() { grep "access at" "$1" | grep -vc "_cudnn"; }
 summarize_rows() {  # summarize_rows MD LABEL
   grep -E "^\| (resident|stock|layerstream)" "$1" 2>/dev/null | sed "s/^/      $2 /" >>"$OUT/summary.txt"
 }
@@ -195,8 +199,8 @@ if want san; then
     # racecheck also reports the hazards inside cuDNN's own kernels (see `race`): those alone are no failure
     # when every test passed.
     if [[ $tool == racecheck && $rc == 1 && $tests_line != *failed* && $tests_line == *passed* ]] \
-        && (( $(grep -c "access at" "$log") > 0 && $(grep "access at" "$log" | grep -vc "_cudnn") == 0 )); then
-      echo "   ok   pytest_$tool: $tests_line; $(grep -c "access at" "$log") hazard lines, all in cuDNN kernels" \
+        && (( $(race_hazards "$log") > 0 && $(race_hazards_outside_cudnn "$log") == 0 )); then
+      echo "   ok   pytest_$tool: $tests_line; $(race_hazards "$log") hazard lines, all in cuDNN kernels" \
         | tee -a "$OUT/summary.txt"
     elif [[ $rc == 0 ]]; then echo "   ok   pytest_$tool: $tests_line" | tee -a "$OUT/summary.txt"
     else
@@ -269,8 +273,8 @@ if want race || want quick || want tests; then
       python3 -m pytest -q -p no:cacheprovider -k "cuda and bitwise and dtype1" \
       "$OLDPWD/tests/python/test_manager_contract.py" ) >"$OUT/racecheck_bf16.log" 2>&1
   race_rc=$?
-  hazards=$(grep -c "access at" "$OUT/racecheck_bf16.log")
-  outside=$(grep "access at" "$OUT/racecheck_bf16.log" | grep -vc "_cudnn")
+  hazards=$(race_hazards "$OUT/racecheck_bf16.log")
+  outside=$(race_hazards_outside_cudnn "$OUT/racecheck_bf16.log")
   summary_line=$(grep -E "RACECHECK SUMMARY" "$OUT/racecheck_bf16.log" | tail -n 1)
   tests_line=$(grep -E "passed|failed" "$OUT/racecheck_bf16.log" | tail -n 1)
   if [[ $race_rc == 0 && $outside == 0 ]]; then
