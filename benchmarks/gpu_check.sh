@@ -17,7 +17,7 @@
 #   quick  the quantized path's device tests, the ring-OOM test, the kernel's bandwidth, AI-Toolkit's real
 #          manager on CUDA and `race` (a short call, about 4 minutes)
 #   sweep  FLUX.1 side by side at LoRA rank 32/512/1280, without checkpointing, under a 16 GiB cap
-#          (LAYERSTREAM_SWEEP picks)
+#          (LAYERSTREAM_SWEEP picks; lscapN: layerstream alone under an N GiB cap, budget = the cap)
 #   quanto FLUX.1-shaped with optimum-quanto qfloat8 weights in every mode: resident, stock, layerstream
 #   perf2  FLUX.2-shaped (32B) under a 24 GiB cap: stock vs layerstream (budget), and layerstream with float8
 #          host storage; the all-resident reference uncapped (a call of its own: about 9 minutes);
@@ -333,10 +333,13 @@ if want sweep && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
              flux "sweep_$item" "${SW[@]}" --mode resident,stock,layerstream --rank "${item#rank}" ;;
       nockpt) step "FLUX.1 side by side, no checkpointing"
               flux "sweep_$item" "${SW[@]}" --mode resident,stock,layerstream --no-checkpointing ;;
+      lscap*) step "FLUX.1 under a ${item#lscap} GiB cap: layerstream alone (budget = the cap)"
+              flux "sweep_$item" LAYERSTREAM_VRAM_BUDGET="${item#lscap}GiB" "${SW[@]}" --mode layerstream \
+                --vram-cap-gb "${item#lscap}" ;;
       cap*) step "FLUX.1 under a ${item#cap} GiB cap: stock, layerstream (budget = the cap)"
             flux "sweep_$item" LAYERSTREAM_VRAM_BUDGET="${item#cap}GiB" "${SW[@]}" --mode stock,layerstream \
               --vram-cap-gb "${item#cap}" ;;
-      *) echo "   unknown LAYERSTREAM_SWEEP item $item (rankN, nockpt, capN)" | tee -a "$OUT/summary.txt"; status=1 ;;
+      *) echo "   unknown LAYERSTREAM_SWEEP item $item (rankN, nockpt, capN, lscapN)" | tee -a "$OUT/summary.txt"; status=1 ;;
     esac
   done
 fi
@@ -375,12 +378,14 @@ if want perf2 && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
     --vram-cap-gb 24 --timeline-out "$OUT/flux2-timeline.png"
   [[ $RUNS == *,fp8,* ]] && flux perf2_fp8 LAYERSTREAM_VRAM_BUDGET=24GiB "${F2[@]}" --mode layerstream \
     --host-dtype float8_e4m3fn --vram-cap-gb 24
-  # LAYERSTREAM_PERF2_RINGS="4096 6144": layerstream under the cap again with each ring size fixed (MiB), the
+  # LAYERSTREAM_PERF2_RINGS="4096 6144 plan": layerstream under the cap again with each ring size fixed (MiB), the
   # budget's plan choosing only the resident layers (its own choice on 2026-11-30: 3x the largest layer,
   # which holds less than one double-stream block).
+  # `plan`: layerstream alone under the cap with the budget's own ring.
   for ring in ${LAYERSTREAM_PERF2_RINGS:-}; do
-    flux "perf2_ring$ring" LAYERSTREAM_VRAM_BUDGET=24GiB LAYERSTREAM_RING_MB="$ring" "${F2[@]}" --mode layerstream \
-      --vram-cap-gb 24
+    envs=(LAYERSTREAM_VRAM_BUDGET=24GiB)
+    [[ $ring != plan ]] && envs+=(LAYERSTREAM_RING_MB="$ring")
+    flux "perf2_ring$ring" "${envs[@]}" "${F2[@]}" --mode layerstream --vram-cap-gb 24
   done
 fi
 

@@ -28,20 +28,32 @@ std::uint64_t replay_copies(const std::vector<std::size_t>& bytes, const std::ve
                             const std::vector<bool>& resident, std::size_t capacity,
                             const std::vector<std::size_t>& footprint = {});
 
-// The ring's size and the resident layers, chosen together from a sequence of uses (a step's, in the
-// order they came; `bytes` in first-use order). The ring and the resident copies share `room`. A ring too
-// small for a checkpointed block's layers copies them twice per step (recomputed forward, then backward);
-// a larger ring leaves less room for resident layers, which cross the bus never. For each size in
-// `ring_sizes` that fits in `room`, the resident layers are spread_residency(bytes, room - ring) and the
-// uses are replayed through `fill` of the ring: the plan with the fewest bytes copied wins, the smaller
-// ring on a tie. With fill 1 (the whole ring; a copy issued ahead of need takes the oldest region as a
-// copy on demand would) the replay picked the ring that the engine's measured bytes also found best, for
-// two budgets on the simulator with a checkpointed model (2026-11-30; estimates within 17% of the
-// measured bytes); with 2/3 it did not. `footprint` as for replay_copies (resident copies take `bytes`).
+// Bytes copied by the second of two passes of `uses` through one store (as replay_copies): a step of a
+// loop that repeats them, beginning with what the previous step left in the store.
+std::uint64_t replay_step_in_loop(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,
+                                  const std::vector<bool>& resident, std::size_t capacity,
+                                  const std::vector<std::size_t>& footprint = {});
+
+// The ring's size and the resident layers, chosen together from a step's sequence of uses (`bytes` in
+// first-use order). The ring and the resident copies share `room`. A ring too small for a checkpointed
+// block's layers copies them twice per step (recomputed forward, then backward); a larger ring leaves less
+// room for resident layers, which cross the bus never. For each size in `ring_sizes` that fits in `room`,
+// the resident layers are spread_residency(bytes, room - ring) and the step is replayed through `fill` of
+// the ring as a training loop runs it: twice, counting the second pass, which starts with what the first
+// left in the ring (the end of a backward is the start of the next forward; a replay of one step from an
+// empty ring misses that reuse and favoured the smallest ring: FLUX.2-shaped under 24 GiB it estimated
+// 95.4 GiB per step for 1.9 GiB and 100.0 for 6.3 GiB, where a loop copies 95.4 and 95.1). The plan with
+// the fewest bytes copied wins; among plans within 1% of it, the largest ring (the lookahead is a third of
+// the ring: a deeper ring fetches further ahead at the same bytes; measured on FLUX.2 under 24 GiB,
+// 2026-11-30: 4 GiB 2.194 s/step, 6 GiB 2.181, where the former plan's 1.9 GiB took 2.372). With fill 1
+// (the whole ring; a copy issued ahead of need takes the oldest region as a copy on demand would) the
+// replay picked the ring that the engine's measured bytes also found best, for two budgets on the
+// simulator with a checkpointed model; with 2/3 it did not. `footprint` as for replay_copies (resident
+// copies take `bytes`).
 struct RingPlan {
   std::size_t ring_bytes = 0;
   std::vector<bool> resident;
-  std::uint64_t copied_bytes = 0;  // the replay's estimate for `uses`
+  std::uint64_t copied_bytes = 0;  // the replay's estimate for one step of the loop (the second pass)
 };
 RingPlan plan_ring_and_residency(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,
                                  std::size_t room, const std::vector<std::size_t>& ring_sizes,

@@ -1,5 +1,6 @@
 #include "layerstream/residency_plan.h"
 
+#include <algorithm>
 #include <deque>
 
 #include "layerstream/check.h"
@@ -59,28 +60,44 @@ std::uint64_t replay_copies(const std::vector<std::size_t>& bytes, const std::ve
   return copied;
 }
 
+std::uint64_t replay_step_in_loop(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,
+                                  const std::vector<bool>& resident, std::size_t capacity,
+                                  const std::vector<std::size_t>& footprint) {
+  std::vector<std::size_t> twice;
+  twice.reserve(2 * uses.size());
+  twice.insert(twice.end(), uses.begin(), uses.end());
+  twice.insert(twice.end(), uses.begin(), uses.end());
+  return replay_copies(bytes, twice, resident, capacity, footprint) -
+         replay_copies(bytes, uses, resident, capacity, footprint);
+}
+
 RingPlan plan_ring_and_residency(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,
                                  std::size_t room, const std::vector<std::size_t>& ring_sizes, double fill,
                                  const std::vector<std::size_t>& footprint) {
   LS_CHECK_ARG(!ring_sizes.empty(), "plan_ring_and_residency: no ring size to choose from");
   LS_CHECK_ARG(fill > 0 && fill <= 1, "plan_ring_and_residency: fill must be in (0, 1], got ", fill);
-  RingPlan best;
-  bool have = false;
+  std::vector<RingPlan> plans;
   for (std::size_t ring : ring_sizes) {
-    if (ring > room && have) continue;  // the first size is taken even when nothing fits beside it
+    if (ring > room && !plans.empty()) continue;  // the first size is taken even when nothing fits beside it
     RingPlan plan;
     plan.ring_bytes = ring;
     plan.resident = spread_residency(bytes, room > ring ? room - ring : 0);
-    plan.copied_bytes = replay_copies(bytes, uses, plan.resident,
-                                      static_cast<std::size_t>(static_cast<double>(ring) * fill), footprint);
-    const bool better = !have || plan.copied_bytes < best.copied_bytes ||
-                        (plan.copied_bytes == best.copied_bytes && ring < best.ring_bytes);
-    if (better) {
-      best = std::move(plan);
-      have = true;
+    plan.copied_bytes = replay_step_in_loop(
+        bytes, uses, plan.resident, static_cast<std::size_t>(static_cast<double>(ring) * fill), footprint);
+    plans.push_back(std::move(plan));
+  }
+  std::uint64_t fewest = plans.front().copied_bytes;
+  for (const RingPlan& plan : plans) fewest = std::min(fewest, plan.copied_bytes);
+  const std::uint64_t within = fewest + fewest / 100;  // 1%: see the header
+  const RingPlan* best = nullptr;
+  for (const RingPlan& plan : plans) {
+    if (plan.copied_bytes > within) continue;
+    // Nothing copied: no lookahead to deepen, and the smallest ring leaves the budget's room unused.
+    if (!best || (fewest == 0 ? plan.ring_bytes < best->ring_bytes : plan.ring_bytes > best->ring_bytes)) {
+      best = &plan;
     }
   }
-  return best;
+  return *best;
 }
 
 }  // namespace layerstream

@@ -447,11 +447,11 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
       if (k * ring_unit(largest) > ring) rings.push_back(k * ring_unit(largest));
     }
   }
+  // The ring in use is a candidate too; another one costs a rebuild once (a stall and the resident copies
+  // again), which a run's steps repay when the plan copies no more per step (residency_plan.h).
   const RingPlan stay = plan_ring_and_residency(sizes, uses, room, {ring}, 1.0, footprints);
   RingPlan plan = plan_ring_and_residency(sizes, uses, room, rings, 1.0, footprints);
-  // Another ring only for a clear saving (the estimate is a model of the ring, and a rebuild costs a
-  // stall and the resident copies again).
-  if (plan.ring_bytes != ring && !(plan.copied_bytes < stay.copied_bytes / 100 * 97)) plan = stay;
+  if (plan.copied_bytes > stay.copied_bytes) plan = stay;
   budget_room_ = room > plan.ring_bytes ? room - plan.ring_bytes : 0;
   // With a new ring the resident copies are made as the layers register with the rebuilt engine
   // (consider_residency); with this one, now. Either way spread over the step (residency_plan.h):

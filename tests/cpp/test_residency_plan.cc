@@ -90,7 +90,8 @@ TEST(RingPlan, ReplayHoldsTheFootprintAndCountsTheBytes) {
   EXPECT_EQ(plan.ring_bytes, 30u);
   EXPECT_EQ(std::count(plan.resident.begin(), plan.resident.end(), true), 1);
   EXPECT_EQ(plan.copied_bytes, 40u);
-  EXPECT_EQ(plan_ring_and_residency(bytes, uses, 45, {30, 60}).copied_bytes, 20u);
+  // Bytes alone: both streamed layers stay in the ring from one step to the next.
+  EXPECT_EQ(plan_ring_and_residency(bytes, uses, 45, {30, 60}).copied_bytes, 0u);
 }
 
 // Four checkpointed blocks of three layers: forward, then per block from the last: recomputed forward
@@ -107,30 +108,49 @@ std::vector<std::size_t> checkpointed_step(std::size_t blocks, std::size_t per_b
 
 TEST(RingPlan, ARingThatHoldsABlockWinsOverResidentLayersWhenItSavesMoreCopies) {
   const std::vector<std::size_t> bytes(12, 4);  // 48 bytes in 4 blocks of 3 layers
-  std::vector<std::size_t> uses = checkpointed_step(4, 3);
-  const std::vector<std::size_t> two_steps = [&] {
-    std::vector<std::size_t> u = uses;
-    u.insert(u.end(), uses.begin(), uses.end());
-    return u;
-  }();
+  const std::vector<std::size_t> uses = checkpointed_step(4, 3);
   // An 8-byte ring holds two layers: a block's first layer is gone by its backward. A 12-byte one holds a
   // block, with less room left for resident layers.
   const std::size_t room = 18, ring_sizes[] = {8, 12, 16};
-  const RingPlan plan = plan_ring_and_residency(bytes, two_steps, room, {8, 12, 16});
-  // The choice is the cheapest candidate that fits, by the same replay.
-  std::uint64_t cheapest = ~std::uint64_t{0};
-  for (std::size_t ring : ring_sizes) {
-    const std::vector<bool> keep = spread_residency(bytes, room - ring);
-    cheapest = std::min(cheapest, replay_copies(bytes, two_steps, keep, ring));
+  const RingPlan plan = plan_ring_and_residency(bytes, uses, room, {8, 12, 16});
+  std::uint64_t per_ring[3];
+  for (int i = 0; i < 3; ++i) {
+    per_ring[i] = replay_step_in_loop(bytes, uses, spread_residency(bytes, room - ring_sizes[i]), ring_sizes[i]);
   }
-  EXPECT_EQ(plan.copied_bytes, cheapest);
-  EXPECT_EQ(plan.copied_bytes, replay_copies(bytes, two_steps, plan.resident, plan.ring_bytes));
-  const std::vector<bool> small_keep = spread_residency(bytes, room - 8);
+  // 8 (two resident): a block's first layer is copied again for its backward, 19 copies a step.
+  // 12 (one resident): each block is held from its recomputed forward to its backward, 16 copies.
+  // 16 (none resident): the same, and the ring's extra layer does not repay the resident one, 18.
+  EXPECT_EQ(per_ring[0], 76u);
+  EXPECT_EQ(per_ring[1], 64u);
+  EXPECT_EQ(per_ring[2], 72u);
   EXPECT_EQ(plan.ring_bytes, 12u);
-  EXPECT_LT(plan.copied_bytes, replay_copies(bytes, two_steps, small_keep, 8));
+  EXPECT_EQ(plan.copied_bytes, per_ring[1]);
+  EXPECT_EQ(plan.resident, spread_residency(bytes, room - 12));
   std::size_t kept = 0;
   for (std::size_t i = 0; i < bytes.size(); ++i) kept += plan.resident[i] ? bytes[i] : 0;
   EXPECT_LE(kept + plan.ring_bytes, room);
+}
+
+// A step of a loop begins with what the previous one left in the ring: the end of a backward (the first
+// block) is the start of the next forward. The plan counts that step, not the first from an empty ring.
+TEST(RingPlan, TheReplayCountsAStepOfTheLoopWhichReusesTheLastOnesTail) {
+  const std::vector<std::size_t> bytes(12, 4);
+  const std::vector<std::size_t> uses = checkpointed_step(4, 3);
+  const std::vector<bool> none(12, false);
+  std::vector<std::size_t> twice = uses;
+  twice.insert(twice.end(), uses.begin(), uses.end());
+  // From an empty ring: the forward's 12 copies, then blocks 2, 1 and 0 again (block 3 is still there).
+  EXPECT_EQ(replay_copies(bytes, uses, none, 12), 84u);
+  // The next step finds block 0 in the ring: 18 copies.
+  EXPECT_EQ(replay_copies(bytes, twice, none, 12), 156u);
+  EXPECT_EQ(replay_step_in_loop(bytes, uses, none, 12), 72u);
+  // Within 1% of the fewest copies, the deepest ring wins (it fetches further ahead at the same bytes);
+  // when nothing is copied, the smallest (below).
+  const RingPlan tie = plan_ring_and_residency(bytes, uses, 100, {12, 16}, 1.0);
+  EXPECT_EQ(tie.ring_bytes, 12u);  // everything fits beside either: nothing copied
+  const std::vector<std::size_t> big(12, 400);
+  const RingPlan deep = plan_ring_and_residency(big, uses, 1300, {1200, 1204}, 1.0);
+  EXPECT_EQ(deep.ring_bytes, 1204u);  // the same copies: no room for a resident layer beside either
 }
 
 TEST(RingPlan, WhenEverythingFitsBesideTheFirstRingItStaysAndNothingIsCopied) {
