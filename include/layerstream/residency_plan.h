@@ -28,13 +28,19 @@ std::uint64_t replay_copies(const std::vector<std::size_t>& bytes, const std::ve
                             const std::vector<bool>& resident, std::size_t capacity,
                             const std::vector<std::size_t>& footprint = {});
 
+// One step of a recorded sequence of uses that repeats: its shortest period (the whole sequence when it
+// does not repeat). The budget records the first step and part of the second before it plans; a replay
+// of that record from an empty ring would count the first step cold and the second from wherever the
+// record stops.
+std::vector<std::size_t> one_step(const std::vector<std::size_t>& uses);
+
 // Bytes copied by the second of two passes of `uses` through one store (as replay_copies): a step of a
 // loop that repeats them, beginning with what the previous step left in the store.
 std::uint64_t replay_step_in_loop(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,
                                   const std::vector<bool>& resident, std::size_t capacity,
                                   const std::vector<std::size_t>& footprint = {});
 
-// The ring's size and the resident layers, chosen together from a step's sequence of uses (`bytes` in
+// The ring's size and the resident layers, chosen together from one step's sequence of uses (`bytes` in
 // first-use order). The ring and the resident copies share `room`. A ring too small for a checkpointed
 // block's layers copies them twice per step (recomputed forward, then backward); a larger ring leaves less
 // room for resident layers, which cross the bus never. For each size in `ring_sizes` that fits in `room`,

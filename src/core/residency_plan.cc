@@ -1,6 +1,7 @@
 #include "layerstream/residency_plan.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <deque>
 
 #include "layerstream/check.h"
@@ -58,6 +59,21 @@ std::uint64_t replay_copies(const std::vector<std::size_t>& bytes, const std::ve
     order.push_back(layer);
   }
   return copied;
+}
+
+std::vector<std::size_t> one_step(const std::vector<std::size_t>& uses) {
+  // Knuth-Morris-Pratt's failure function: border[i] is the length of the longest proper prefix of
+  // uses[0..i] that is also its suffix; n - border[n - 1] is the shortest period.
+  const std::size_t n = uses.size();
+  if (n == 0) return {};
+  std::vector<std::size_t> border(n, 0);
+  for (std::size_t i = 1; i < n; ++i) {
+    std::size_t k = border[i - 1];
+    while (k > 0 && uses[i] != uses[k]) k = border[k - 1];
+    border[i] = uses[i] == uses[k] ? k + 1 : 0;
+  }
+  const std::size_t period = n - border[n - 1];
+  return std::vector<std::size_t>(uses.begin(), uses.begin() + static_cast<std::ptrdiff_t>(period));
 }
 
 std::uint64_t replay_step_in_loop(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,

@@ -434,16 +434,18 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
       largest = std::max(largest, *in_ring);
     }
   }
-  std::vector<std::size_t> uses;
+  std::vector<std::size_t> recorded;
   for (LayerId id : plan_uses_) {
-    if (auto it = index.find(id); it != index.end()) uses.push_back(it->second);
+    if (auto it = index.find(id); it != index.end()) recorded.push_back(it->second);
   }
+  const std::vector<std::size_t> uses = one_step(recorded);
   plan_uses_.clear();
   plan_uses_.shrink_to_fit();
   // Candidate rings: the one in use first, then multiples of the largest layer.
   std::vector<std::size_t> rings = {ring};
   if (!ring_fixed_) {
-    for (std::size_t k : {3u, 4u, 5u, 6u, 8u, 10u, 12u, 16u}) {  // 3: see ring_bytes_for
+    // 3: see ring_bytes_for. Up to 10: the deepest ring measured (FLUX.2 under 24 GiB, residency_plan.h).
+    for (std::size_t k : {3u, 4u, 5u, 6u, 8u, 10u}) {
       if (k * ring_unit(largest) > ring) rings.push_back(k * ring_unit(largest));
     }
   }

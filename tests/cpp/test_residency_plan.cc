@@ -131,6 +131,22 @@ TEST(RingPlan, ARingThatHoldsABlockWinsOverResidentLayersWhenItSavesMoreCopies) 
   EXPECT_LE(kept + plan.ring_bytes, room);
 }
 
+// The budget records a step and part of the next before it plans: the step is the record's shortest
+// period.
+TEST(RingPlan, OneStepIsTheShortestPeriodOfTheRecord) {
+  const std::vector<std::size_t> step = checkpointed_step(3, 2);  // 6 + 3 * 4 = 18 uses
+  std::vector<std::size_t> record = step;
+  record.insert(record.end(), step.begin(), step.begin() + 11);
+  EXPECT_EQ(one_step(record), step);
+  EXPECT_EQ(one_step({1, 2, 3}), std::vector<std::size_t>({1, 2, 3}));  // no repetition: all of it
+  record.insert(record.end(), step.begin() + 11, step.end());
+  record.insert(record.end(), step.begin(), step.end());
+  EXPECT_EQ(one_step(record), step);  // three whole steps
+  EXPECT_EQ(one_step({4, 4, 4}), std::vector<std::size_t>({4}));
+  EXPECT_EQ(one_step({1, 2, 1, 3}), std::vector<std::size_t>({1, 2, 1, 3}));  // a border but not a period
+  EXPECT_EQ(one_step({}), std::vector<std::size_t>());
+}
+
 // A step of a loop begins with what the previous one left in the ring: the end of a backward (the first
 // block) is the start of the next forward. The plan counts that step, not the first from an empty ring.
 TEST(RingPlan, TheReplayCountsAStepOfTheLoopWhichReusesTheLastOnesTail) {
