@@ -358,8 +358,10 @@ if want quanto && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   fi
   if [[ $QRUNS == *,flux2cap,* ]]; then
     step "FLUX.2-shaped, optimum-quanto qfloat8 weights, 24 GiB cap: stock, layerstream (budget = cap)"
+    # Two warm-up steps: with three the pair took 551 s on 2026-11-30 (stock quantizes for 134 s and runs
+    # at 16 s/step), past a 540 s timeout before its JSON was written.
     flux quanto_flux2cap LAYERSTREAM_VRAM_BUDGET=24GiB --preset flux2 --mode stock,layerstream --quantize qfloat8 \
-      --vram-cap-gb 24 --warmup 3 --steps 3
+      --vram-cap-gb 24 --warmup 2 --steps 3
   fi
 fi
 
