@@ -51,11 +51,11 @@ std::uint64_t replay_step_in_loop(const std::vector<std::size_t>& bytes, const s
 // 95.4 GiB per step for 1.9 GiB and 100.0 for 6.3 GiB, where a loop copies 95.4 and 95.1). The plan with
 // the fewest bytes copied wins; among plans within 1% of it, the largest ring (the lookahead is a third of
 // the ring: a deeper ring fetches further ahead at the same bytes; measured on FLUX.2 under 24 GiB,
-// 2026-11-30: 4 GiB 2.194 s/step, 6 GiB 2.181, where the former plan's 1.9 GiB took 2.372). With fill 1
-// (the whole ring; a copy issued ahead of need takes the oldest region as a copy on demand would) the
-// replay picked the ring that the engine's measured bytes also found best, for two budgets on the
-// simulator with a checkpointed model; with 2/3 it did not. `footprint` as for replay_copies (resident
-// copies take `bytes`).
+// 2026-11-30: 1.9 GiB, the former plan's, 2.230 s/step; 4 GiB 2.194; 6 GiB 2.181; this plan's 6.33 GiB
+// 2.169). With fill 1 (the whole ring; a copy issued ahead of need takes the oldest region as a copy on
+// demand would) the replay picked the ring that the engine's measured bytes also found best, for two
+// budgets on the simulator with a checkpointed model; with 2/3 it did not. `footprint` as for
+// replay_copies (resident copies take `bytes`).
 struct RingPlan {
   std::size_t ring_bytes = 0;
   std::vector<bool> resident;

@@ -108,7 +108,7 @@ RingPlan plan_ring_and_residency(const std::vector<std::size_t>& bytes, const st
   const RingPlan* best = nullptr;
   for (const RingPlan& plan : plans) {
     if (plan.copied_bytes > within) continue;
-    // Nothing copied: no lookahead to deepen, and the smallest ring leaves the budget's room unused.
+    // Nothing copied: no lookahead to deepen; the smallest ring leaves the most of the room free.
     if (!best || (fewest == 0 ? plan.ring_bytes < best->ring_bytes : plan.ring_bytes > best->ring_bytes)) {
       best = &plan;
     }
