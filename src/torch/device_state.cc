@@ -2,6 +2,8 @@
 #include "host_share.h"
 #include "layerstream/residency_plan.h"
 
+#include <ATen/core/grad_mode.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <unordered_map>
@@ -361,6 +363,7 @@ void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now) {
     first_uses_.clear();
     seen_.clear();
     plan_uses_.clear();
+    budget_recording_ = false;
     if (!keep_plan_) {
       budget_planned_ = false;  // a rebuilt engine: plan its layers again
       planned_resident_.clear();
@@ -369,12 +372,22 @@ void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now) {
   }
   const bool planning = vram_budget_.enabled && !budget_planned_;
   predictor_.observe(layer);
-  if (planning) {
+  if (planning && !budget_recording_) {
+    if (at::GradMode::is_enabled()) {  // a training forward: record from here (see budget_recording_)
+      budget_recording_ = true;
+      hits_before_recording_ = predictor_.stats().correct;
+    } else {
+      log_once("vram-budget-waits-for-training", LogLevel::kInfo,
+               "layerstream VRAM budget: planned from the first training steps (a forward with grad enabled); "
+               "until then every layer streams");
+    }
+  }
+  if (planning && budget_recording_) {
     if (seen_.insert(layer).second) first_uses_.push_back(layer);
     if (plan_uses_.size() < (std::size_t{1} << 22)) plan_uses_.push_back(layer);
     // Twice as many correct predictions as there are layers: the order has repeated, the second pass
     // (step) is under way, and the first one's peak memory is on record.
-    if (predictor_.stats().correct >= 2 * first_uses_.size() + 2) {
+    if (predictor_.stats().correct - hits_before_recording_ >= 2 * first_uses_.size() + 2) {
       budget_planned_ = true;
       plan_now = true;
     }

@@ -191,6 +191,11 @@ class DeviceState {
   std::size_t resident_budget_ = 0;  // LAYERSTREAM_RESIDENT_MB
   VramBudget vram_budget_;           // LAYERSTREAM_VRAM_BUDGET
   bool budget_planned_ = false;
+  // The budget plans from training steps only: it starts recording at the first use in a forward with
+  // grad enabled (uses before it, such as AI-Toolkit's samples before the first step, have neither a
+  // training step's order nor its peak memory), and counts the predictor's hits from there.
+  bool budget_recording_ = false;
+  std::uint64_t hits_before_recording_ = 0;
   std::size_t budget_room_ = 0;
   std::vector<LayerId> first_uses_;  // layers of the current engine, in order of first use
   std::unordered_set<LayerId> seen_;

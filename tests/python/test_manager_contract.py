@@ -582,6 +582,37 @@ def test_vram_budget_keeps_what_fits_after_the_first_step_and_changes_no_result(
         assert 0 < per_step[-1] < per_step[0] - stats["resident_bytes"]
 
 
+def test_vram_budget_plans_from_training_steps_not_from_the_samples_before_them(engine, device, monkeypatch, caplog):
+    """AI-Toolkit samples before its first step unless told not to: forwards under no_grad, repeated, with
+    neither a training step's order of uses nor its peak memory. The budget waits for a forward with grad
+    enabled (says so once), streams every layer until then, and plans from the training steps."""
+    import logging
+
+    if engine != "sim":
+        pytest.skip("a fixed budget on a real GPU depends on what the process already holds; CPU has no ring")
+    clear_device_states()
+    monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "3MiB")
+    torch.manual_seed(9)
+    base = TinyTransformer(d=256, ff=512, layers=4, checkpointing="non_reentrant").requires_grad_(False)
+    resident = copy.deepcopy(base)
+    ref_losses = _steps(resident, apply_lora(resident), device, 4)
+    managed = copy.deepcopy(base)
+    ContractManager.attach(mm, managed, device).to_device()
+    loras = apply_lora(managed)
+    state = mm._DEVICE_STATE[device]
+    g = torch.Generator().manual_seed(5)
+    with caplog.at_level(logging.INFO, logger="layerstream"), torch.no_grad():
+        for _ in range(12):  # far more repetitions than the plan needs from training steps
+            managed(torch.randn(1, 6, 256, generator=g))
+    assert state.stats()["vram_budget_planned"] == 0
+    assert state.stats()["resident_layers"] == 0
+    assert any("planned from the first training steps" in r.getMessage() for r in caplog.records)
+    assert _steps(managed, loras, device, 4) == ref_losses
+    stats = state.stats()
+    assert stats["vram_budget_planned"] == 1 and stats["resident_layers"] > 0
+    assert stats["sim_races"] == 0
+
+
 @pytest.mark.parametrize("faults", ["", "5"], ids=["plain", "delays-and-scrambled-copies"])
 def test_vram_budget_sizes_the_ring_too_and_moves_fewer_bytes_than_a_fixed_ring(engine, device, monkeypatch, faults):
     """Without LAYERSTREAM_RING_MB the budget's plan also picks the ring's size: here the first ring (three
