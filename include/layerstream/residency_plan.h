@@ -19,11 +19,12 @@ namespace layerstream {
 std::vector<bool> spread_residency(const std::vector<std::size_t>& bytes, std::size_t room);
 
 // Bytes copied when the layers of `bytes` are used in the order `uses` (indices into `bytes`), the
-// resident ones never copied, the others through a first-in-first-out store of `capacity` bytes: a use
-// copies unless the layer is still there since it was last copied (the ring places regions in order and
-// evicts the oldest; a hit does not move a region). A layer larger than the store is copied every time.
-// `footprint`: what each layer takes in the store when that is more than the bytes it copies (a region
-// with scratch for dequantized weights); empty: the bytes.
+// resident ones never copied, the others through a store of `capacity` bytes that places regions as
+// DeviceRing's first-in-first-out placement does with no region held: at a head that moves forward, at
+// the start when the rest of the store is too short for the region, evicting every region it overlaps (a
+// hit does not move a region). A use copies unless the layer is still there since it was last copied. A
+// layer larger than the store is copied every time. `footprint`: what each layer takes in the store (its
+// bytes rounded to the ring's alignment, a quantized layer's scratch too); empty: the bytes.
 std::uint64_t replay_copies(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,
                             const std::vector<bool>& resident, std::size_t capacity,
                             const std::vector<std::size_t>& footprint = {});
@@ -34,8 +35,12 @@ std::uint64_t replay_copies(const std::vector<std::size_t>& bytes, const std::ve
 // record stops.
 std::vector<std::size_t> one_step(const std::vector<std::size_t>& uses);
 
-// Bytes copied by the second of two passes of `uses` through one store (as replay_copies): a step of a
-// loop that repeats them, beginning with what the previous step left in the store.
+// Bytes copied by a step of a loop that repeats `uses` through one store (as replay_copies), each step
+// beginning with what the previous one left in the store: the passes are replayed until two in a row
+// copy the same (at most kLoopPasses; then the mean of the last two). One pass after the first is not
+// always enough: a region in a gap the head skips at the end of the store can outlive a whole pass (seen
+// on the simulator: the second pass overestimated a step by 2.5%, the third was exact).
+constexpr int kLoopPasses = 8;
 std::uint64_t replay_step_in_loop(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,
                                   const std::vector<bool>& resident, std::size_t capacity,
                                   const std::vector<std::size_t>& footprint = {});
@@ -45,8 +50,8 @@ std::uint64_t replay_step_in_loop(const std::vector<std::size_t>& bytes, const s
 // block's layers copies them twice per step (recomputed forward, then backward); a larger ring leaves less
 // room for resident layers, which cross the bus never. For each size in `ring_sizes` that fits in `room`,
 // the resident layers are spread_residency(bytes, room - ring) and the step is replayed through `fill` of
-// the ring as a training loop runs it: twice, counting the second pass, which starts with what the first
-// left in the ring (the end of a backward is the start of the next forward; a replay of one step from an
+// the ring as a training loop runs it (replay_step_in_loop: each step starts with what the one before
+// left in the ring; the end of a backward is the start of the next forward; a replay of one step from an
 // empty ring misses that reuse and favoured the smallest ring: FLUX.2-shaped under 24 GiB it estimated
 // 95.4 GiB per step for 1.9 GiB and 100.0 for 6.3 GiB, where a loop copies 95.4 and 95.1). The plan with
 // the fewest bytes copied wins; among plans within 1% of it, the largest ring (the lookahead is a third of

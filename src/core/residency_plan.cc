@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstddef>
-#include <deque>
 
 #include "layerstream/check.h"
 
@@ -32,33 +31,70 @@ std::vector<bool> spread_residency(const std::vector<std::size_t>& bytes, std::s
   return keep;
 }
 
+namespace {
+
+// The store of replay_copies, kept across passes over a sequence of uses.
+class RingModel {
+ public:
+  RingModel(const std::vector<std::size_t>& bytes, const std::vector<bool>& resident, std::size_t capacity,
+            const std::vector<std::size_t>& footprint)
+      : bytes_(bytes), resident_(resident), held_by_(footprint.empty() ? bytes : footprint),
+        capacity_(capacity), present_(bytes.size(), false) {
+    LS_CHECK_ARG(resident.size() == bytes.size(), "replay_copies: ", resident.size(), " residency flags for ",
+                 bytes.size(), " layers");
+    LS_CHECK_ARG(footprint.empty() || footprint.size() == bytes.size(), "replay_copies: ", footprint.size(),
+                 " footprints for ", bytes.size(), " layers");
+  }
+
+  // Bytes copied by these uses, from the store as the previous calls left it.
+  std::uint64_t run(const std::vector<std::size_t>& uses) {
+    std::uint64_t copied = 0;
+    for (std::size_t layer : uses) {
+      LS_CHECK_ARG(layer < bytes_.size(), "replay_copies: use of layer ", layer, " of ", bytes_.size());
+      if (resident_[layer] || present_[layer]) continue;
+      copied += bytes_[layer];
+      place(layer);
+    }
+    return copied;
+  }
+
+ private:
+  struct Placed {
+    std::size_t offset, size, layer;
+  };
+
+  // As DeviceRing places a region with none held: at the head, or at the start when the end is short.
+  void place(std::size_t layer) {
+    const std::size_t size = held_by_[layer];
+    if (size > capacity_ || size == 0) return;  // larger than the store: copied at every use
+    const std::size_t at = head_ + size <= capacity_ ? head_ : 0;
+    live_.erase(std::remove_if(live_.begin(), live_.end(),
+                               [&](const Placed& r) {
+                                 const bool overlaps = r.offset < at + size && at < r.offset + r.size;
+                                 if (overlaps) present_[r.layer] = false;
+                                 return overlaps;
+                               }),
+                live_.end());
+    live_.push_back({at, size, layer});
+    present_[layer] = true;
+    head_ = at + size == capacity_ ? 0 : at + size;
+  }
+
+  const std::vector<std::size_t>& bytes_;
+  const std::vector<bool>& resident_;
+  const std::vector<std::size_t>& held_by_;
+  std::size_t capacity_;
+  std::vector<bool> present_;
+  std::vector<Placed> live_;  // the store's regions, in no particular order
+  std::size_t head_ = 0;
+};
+
+}  // namespace
+
 std::uint64_t replay_copies(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,
                             const std::vector<bool>& resident, std::size_t capacity,
                             const std::vector<std::size_t>& footprint) {
-  LS_CHECK_ARG(resident.size() == bytes.size(), "replay_copies: ", resident.size(), " residency flags for ",
-               bytes.size(), " layers");
-  LS_CHECK_ARG(footprint.empty() || footprint.size() == bytes.size(), "replay_copies: ", footprint.size(),
-               " footprints for ", bytes.size(), " layers");
-  const std::vector<std::size_t>& held_by = footprint.empty() ? bytes : footprint;
-  std::vector<bool> present(bytes.size(), false);
-  std::deque<std::size_t> order;  // oldest first
-  std::size_t held = 0;
-  std::uint64_t copied = 0;
-  for (std::size_t layer : uses) {
-    LS_CHECK_ARG(layer < bytes.size(), "replay_copies: use of layer ", layer, " of ", bytes.size());
-    if (resident[layer] || present[layer]) continue;
-    copied += bytes[layer];
-    if (held_by[layer] > capacity) continue;
-    while (held + held_by[layer] > capacity) {
-      present[order.front()] = false;
-      held -= held_by[order.front()];
-      order.pop_front();
-    }
-    present[layer] = true;
-    held += held_by[layer];
-    order.push_back(layer);
-  }
-  return copied;
+  return RingModel(bytes, resident, capacity, footprint).run(uses);
 }
 
 std::vector<std::size_t> one_step(const std::vector<std::size_t>& uses) {
@@ -79,12 +115,16 @@ std::vector<std::size_t> one_step(const std::vector<std::size_t>& uses) {
 std::uint64_t replay_step_in_loop(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,
                                   const std::vector<bool>& resident, std::size_t capacity,
                                   const std::vector<std::size_t>& footprint) {
-  std::vector<std::size_t> twice;
-  twice.reserve(2 * uses.size());
-  twice.insert(twice.end(), uses.begin(), uses.end());
-  twice.insert(twice.end(), uses.begin(), uses.end());
-  return replay_copies(bytes, twice, resident, capacity, footprint) -
-         replay_copies(bytes, uses, resident, capacity, footprint);
+  RingModel ring(bytes, resident, capacity, footprint);
+  ring.run(uses);  // the first step, from an empty store
+  std::uint64_t previous = ring.run(uses);
+  for (int pass = 3; pass <= kLoopPasses; ++pass) {
+    const std::uint64_t copied = ring.run(uses);
+    if (copied == previous) return copied;
+    if (pass == kLoopPasses) return (previous + copied) / 2;  // alternating: the mean of a step
+    previous = copied;
+  }
+  return previous;
 }
 
 RingPlan plan_ring_and_residency(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,

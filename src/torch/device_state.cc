@@ -443,7 +443,7 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
       index.emplace(id, ids.size());
       ids.push_back(id);
       sizes.push_back(*bytes);
-      footprints.push_back(*in_ring);
+      footprints.push_back(ring_unit(*in_ring));  // as the ring rounds a region
       largest = std::max(largest, *in_ring);
     }
   }
@@ -468,6 +468,7 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
   RingPlan plan = plan_ring_and_residency(sizes, uses, room, rings, 1.0, footprints);
   if (plan.copied_bytes > stay.copied_bytes) plan = stay;
   budget_room_ = room > plan.ring_bytes ? room - plan.ring_bytes : 0;
+  budget_estimate_ = plan.copied_bytes;
   // With a new ring the resident copies are made as the layers register with the rebuilt engine
   // (consider_residency); with this one, now. Either way spread over the step (residency_plan.h):
   // streamed copies then overlap resident layers' compute.
@@ -556,6 +557,7 @@ StateStats DeviceState::stats() {
   s.predictor = predictor_.stats();
   s.vram_budget_planned = budget_planned_;
   s.vram_budget_room = budget_room_;
+  s.vram_budget_estimate = budget_estimate_;
   if (mode_ == Mode::kSim) s.sim_races = static_cast<SimBackend&>(*pool_->backend).violation_count();
   return s;
 }

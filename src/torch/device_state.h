@@ -92,6 +92,8 @@ struct StateStats {
   std::uint64_t engines_built = 0;
   std::uint64_t sim_races = 0;  // sim mode: unordered accesses the race checker found
   std::size_t vram_budget_room = 0;  // bytes the VRAM budget let stay resident (0 before it was planned)
+  // Bytes per step the plan's replay expects to cross the bus (residency_plan.h), to set beside bytes_h2d.
+  std::uint64_t vram_budget_estimate = 0;
   bool vram_budget_planned = false;
 };
 
@@ -197,6 +199,7 @@ class DeviceState {
   bool budget_recording_ = false;
   std::uint64_t hits_before_recording_ = 0;
   std::size_t budget_room_ = 0;
+  std::uint64_t budget_estimate_ = 0;
   std::vector<LayerId> first_uses_;  // layers of the current engine, in order of first use
   std::unordered_set<LayerId> seen_;
   std::vector<LayerId> plan_uses_;   // every use while the budget is being planned (the step's sequence)

@@ -525,6 +525,7 @@ py::dict stats_dict(const StateStats& s) {
   d["resident_bytes"] = s.engine.resident_bytes;
   d["vram_budget_planned"] = static_cast<std::uint64_t>(s.vram_budget_planned);
   d["vram_budget_room"] = s.vram_budget_room;
+  d["vram_budget_estimate"] = s.vram_budget_estimate;
   d["device_bytes"] = s.engine.ring_capacity + s.engine.resident_bytes;  // what layerstream holds on the device
   d["copy_wait_us"] = s.engine.copy_wait_us;  // LAYERSTREAM_TIME_WAITS=1: compute waiting for copies
   d["copy_waits_timed"] = s.engine.copy_waits_timed;

@@ -73,6 +73,28 @@ TEST(RingPlan, ReplayIsFirstInFirstOutAndAHitDoesNotRefresh) {
   EXPECT_THROW(replay_copies(bytes, {3}, none, 20), InvalidArgument);
 }
 
+// The store is contiguous, as the ring: a region too long for what is left at the end goes to the start
+// and evicts what it overlaps there, though the bytes alone would fit beside the newer regions.
+TEST(RingPlan, ReplayPlacesRegionsAsTheRingDoes) {
+  const std::vector<bool> none(3, false);
+  // 1 at [0, 4), 2 at [4, 6); 0 (6 bytes) does not fit in [6, 10): at [0, 6) it evicts both, so 2 is
+  // copied again (by bytes alone only 1 would go: 12 bytes).
+  EXPECT_EQ(replay_copies({6, 4, 2}, {1, 2, 0, 2}, none, 10), 14u);
+  EXPECT_EQ(replay_copies({6, 4, 2}, {1, 2, 0, 2}, none, 12), 12u);  // room for all three
+}
+
+// A step of the loop is counted once the passes settle. Here the second pass copies 0 again; that copy
+// lands in [4, 5), at the end of the store, which the longer regions after it skip, so from the third
+// pass on 0 is a hit.
+TEST(RingPlan, AStepOfTheLoopIsCountedOnceThePassesSettle) {
+  const std::vector<std::size_t> bytes = {1, 3, 4}, uses = {0, 1, 2};
+  const std::vector<bool> none(3, false);
+  const std::vector<std::size_t> twice = {0, 1, 2, 0, 1, 2};
+  EXPECT_EQ(replay_copies(bytes, uses, none, 5), 8u);
+  EXPECT_EQ(replay_copies(bytes, twice, none, 5) - replay_copies(bytes, uses, none, 5), 8u);  // the 2nd pass
+  EXPECT_EQ(replay_step_in_loop(bytes, uses, none, 5), 7u);
+}
+
 // A layer with scratch (quantized codes and room for the weights dequantized from them) takes more of the
 // store than it copies: fewer such layers fit, and each copy still counts its bytes only.
 TEST(RingPlan, ReplayHoldsTheFootprintAndCountsTheBytes) {
