@@ -548,6 +548,18 @@ def _steps(model, loras, device, steps, after_step=lambda: None):
     return losses
 
 
+def _managed_steps(base, device, steps):
+    """Attaches a copy of `base`, trains it `steps` steps with LoRA; returns its losses, the state of its
+    device and the bytes copied to the device so far after each step."""
+    managed = copy.deepcopy(base)
+    ContractManager.attach(mm, managed, device).to_device()
+    state = mm._DEVICE_STATE[device]
+    moved = []
+    losses = _steps(managed, [lo.to(device) for lo in apply_lora(managed)], device, steps,
+                    lambda: moved.append(state.stats()["bytes_h2d"]))
+    return losses, state, moved
+
+
 @pytest.mark.parametrize("budget", ["8MiB", "auto"])
 def test_vram_budget_keeps_what_fits_after_the_first_step_and_changes_no_result(engine, device, monkeypatch, budget):
     """After the first step (the order of uses has repeated) the layers that fit in the budget, less what
@@ -563,12 +575,7 @@ def test_vram_budget_keeps_what_fits_after_the_first_step_and_changes_no_result(
     base = TinyTransformer(d=256, ff=512, layers=4, checkpointing="non_reentrant").requires_grad_(False)
     resident = copy.deepcopy(base).to(device)
     ref_losses = _steps(resident, [lo.to(device) for lo in apply_lora(resident)], device, 5)
-    managed = copy.deepcopy(base)
-    ContractManager.attach(mm, managed, device).to_device()
-    state = mm._DEVICE_STATE[device]
-    moved = []
-    losses = _steps(managed, [lo.to(device) for lo in apply_lora(managed)], device, 5,
-                    lambda: moved.append(state.stats()["bytes_h2d"]))
+    losses, state, moved = _managed_steps(base, device, 5)
     assert losses == ref_losses
     stats = state.stats()
     assert stats["vram_budget_planned"] == 1
@@ -603,12 +610,8 @@ def test_vram_budget_estimate_is_what_each_step_then_moves_without_prefetch(engi
     base = TinyTransformer(d=256, ff=ff, layers=4, checkpointing="non_reentrant").requires_grad_(False)
     resident = copy.deepcopy(base)
     ref_losses = _steps(resident, apply_lora(resident), device, 6)
-    managed = copy.deepcopy(base)
-    ContractManager.attach(mm, managed, device).to_device()
-    state = mm._DEVICE_STATE[device]
-    moved = []
-    assert _steps(managed, apply_lora(managed), device, 6, lambda: moved.append(state.stats()["bytes_h2d"])) \
-        == ref_losses
+    losses, state, moved = _managed_steps(base, device, 6)
+    assert losses == ref_losses
     stats = state.stats()
     assert stats["vram_budget_planned"] == 1
     per_step = [b - a for a, b in zip(moved, moved[1:])]
@@ -668,12 +671,8 @@ def test_vram_budget_sizes_the_ring_too_and_moves_fewer_bytes_than_a_fixed_ring(
             monkeypatch.setenv("LAYERSTREAM_RING_MB", ring)
         else:
             monkeypatch.delenv("LAYERSTREAM_RING_MB", raising=False)
-        managed = copy.deepcopy(base)
-        ContractManager.attach(mm, managed, device).to_device()
-        state = mm._DEVICE_STATE[device]
-        moved = []
-        assert _steps(managed, apply_lora(managed), device, 5, lambda: moved.append(state.stats()["bytes_h2d"])) \
-            == ref_losses
+        losses, state, moved = _managed_steps(base, device, 5)
+        assert losses == ref_losses
         per_step[ring] = moved[-1] - moved[-2]
         stats[ring] = state.stats()
     planned = stats[None]
