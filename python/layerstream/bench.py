@@ -859,6 +859,10 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
                        for r in rows if r["status"] == "ok")
     if losses:
         print("losses per step (warmup included):\n" + losses)
+    plans = budget_plans(rows)
+    if plans:
+        print(plans)
+        losses += "\n\n" + plans
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2, default=str) + "\n")
     if args.md_out:
@@ -871,6 +875,23 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
             f"{f', weights quantized to {args.quantize} (optimum-quanto)' if args.quantize else ''}\n\n"
             f"{table}\n\n{summary}\n\nlosses per step (warmup included):\n\n{losses}\n"
         )
+
+
+def budget_plans(rows: list[dict]) -> str:
+    """One line per row whose VRAM budget planned: its ring, what it kept resident, and its replay's estimate
+    of the bytes per step beside the bytes measured."""
+    lines = []
+    for r in rows:
+        s = r.get("engine_stats") or {}
+        if r.get("status") != "ok" or not s.get("vram_budget_planned"):
+            continue
+        measured = r.get("bytes_per_step")
+        lines.append(
+            f"  {r['mode']}: VRAM budget plan: ring {s.get('ring_bytes', 0) / 2**20:.1f} MiB, "
+            f"{s.get('resident_layers', 0)} layers ({s.get('resident_bytes', 0) / 2**20:.1f} MiB) resident; "
+            f"estimated {s.get('vram_budget_estimate', 0) / 2**20:.1f} MiB/step over the bus, measured "
+            f"{'-' if measured is None else f'{measured / 2**20:.1f}'}")
+    return "budget plans:\n" + "\n".join(lines) if lines else ""
 
 
 def _strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
