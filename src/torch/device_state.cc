@@ -378,8 +378,8 @@ void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now) {
       hits_before_recording_ = predictor_.stats().correct;
     } else {
       log_once("vram-budget-waits-for-training", LogLevel::kInfo,
-               "layerstream VRAM budget: planned from the first training steps (a forward with grad enabled); "
-               "until then every layer streams");
+               "layerstream VRAM budget: planned from the first training steps (a forward with grad "
+               "enabled); until then every layer streams");
     }
   }
   if (planning && budget_recording_) {

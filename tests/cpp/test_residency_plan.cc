@@ -137,7 +137,8 @@ TEST(RingPlan, ARingThatHoldsABlockWinsOverResidentLayersWhenItSavesMoreCopies) 
   const RingPlan plan = plan_ring_and_residency(bytes, uses, room, {8, 12, 16});
   std::uint64_t per_ring[3];
   for (int i = 0; i < 3; ++i) {
-    per_ring[i] = replay_step_in_loop(bytes, uses, spread_residency(bytes, room - ring_sizes[i]), ring_sizes[i]);
+    const std::vector<bool> keep = spread_residency(bytes, room - ring_sizes[i]);
+    per_ring[i] = replay_step_in_loop(bytes, uses, keep, ring_sizes[i]);
   }
   // 8 (two resident): a block's first layer is copied again for its backward, 19 copies a step.
   // 12 (one resident): each block is held from its recomputed forward to its backward, 16 copies.
