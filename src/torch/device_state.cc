@@ -327,8 +327,14 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
 }
 
 void DeviceState::note_use(LayerId layer) {
-  bool plan_now = false;
-  observe_and_prefetch(layer, plan_now);
+  bool plan_now = false, waits_for_training = false;
+  observe_and_prefetch(layer, plan_now, waits_for_training);
+  // Logged outside mu_, as the plan's report below: a Python log sink takes the GIL.
+  if (waits_for_training) {
+    log_once("vram-budget-waits-for-training", LogLevel::kInfo,
+             "layerstream VRAM budget: planned from the first training steps (a forward with grad enabled); "
+             "until then every layer streams");
+  }
   if (!plan_now) return;
   // Outside the lock: the resolver takes the GIL, and a thread holding the GIL may be waiting for mu_.
   const DeviceMemoryView view = memory_view();
@@ -353,7 +359,7 @@ DeviceMemoryView DeviceState::memory_view() {
   return view;
 }
 
-void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now) {
+void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now, bool& waits_for_training) {
   if (!prefetch_ && !vram_budget_.enabled) return;
   std::lock_guard<std::mutex> lock(mu_);  // also keeps the engine from being rebuilt meanwhile
   if (!engine_) return;
@@ -376,10 +382,9 @@ void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now) {
     if (at::GradMode::is_enabled()) {  // a training forward: record from here (see budget_recording_)
       budget_recording_ = true;
       hits_before_recording_ = predictor_.stats().correct;
-    } else {
-      log_once("vram-budget-waits-for-training", LogLevel::kInfo,
-               "layerstream VRAM budget: planned from the first training steps (a forward with grad "
-               "enabled); until then every layer streams");
+    } else if (!told_waiting_) {  // once here, not at every call of the passes before training
+      told_waiting_ = true;
+      waits_for_training = true;
     }
   }
   if (planning && budget_recording_) {

@@ -197,6 +197,7 @@ class DeviceState {
   // grad enabled (uses before it, such as AI-Toolkit's samples before the first step, have neither a
   // training step's order nor its peak memory), and counts the predictor's hits from there.
   bool budget_recording_ = false;
+  bool told_waiting_ = false;  // that it waits has been said (by this state; log_once for the process)
   std::uint64_t hits_before_recording_ = 0;
   std::size_t budget_room_ = 0;
   std::uint64_t budget_estimate_ = 0;
@@ -209,7 +210,9 @@ class DeviceState {
   std::size_t planned_ring_bytes_ = 0;
   bool keep_plan_ = false;   // the next rebuild is the plan's own: it is not planned again
   std::unordered_set<const void*> planned_resident_;
-  void observe_and_prefetch(LayerId layer, bool& plan_now);  // takes mu_
+  // Takes mu_. plan_now: the budget is to be planned now; waits_for_training: say that it waits for a
+  // training step (both done by the caller, outside mu_).
+  void observe_and_prefetch(LayerId layer, bool& plan_now, bool& waits_for_training);
   DeviceMemoryView memory_view();
   std::string apply_vram_budget_locked(const DeviceMemoryView& view);  // the line to log
   // A layer's packed bytes, or with in_ring what it takes in the ring (its scratch too); nullopt: removed
