@@ -117,14 +117,12 @@ std::uint64_t replay_step_in_loop(const std::vector<std::size_t>& bytes, const s
                                   const std::vector<std::size_t>& footprint) {
   RingModel ring(bytes, resident, capacity, footprint);
   ring.run(uses);  // the first step, from an empty store
-  std::uint64_t previous = ring.run(uses);
-  for (int pass = 3; pass <= kLoopPasses; ++pass) {
-    const std::uint64_t copied = ring.run(uses);
-    if (copied == previous) return copied;
-    if (pass == kLoopPasses) return (previous + copied) / 2;  // alternating: the mean of a step
+  std::uint64_t previous = ring.run(uses), copied = ring.run(uses);  // passes 2 and 3
+  for (int pass = 3; copied != previous && pass < kLoopPasses; ++pass) {
     previous = copied;
+    copied = ring.run(uses);
   }
-  return previous;
+  return copied == previous ? copied : (previous + copied) / 2;  // unsettled: the mean of the last two
 }
 
 RingPlan plan_ring_and_residency(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,
