@@ -1,0 +1,177 @@
+// Lossless bfloat16 packing: the table, the layout (against a one-value-at-a-time encoder written here),
+// exact round trips of every bit pattern, and on a GPU the kernels against the host reference bit for bit.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "backends.h"
+#include "layerstream/check.h"
+#include "layerstream/dequant.h"
+#include "layerstream/lossless.h"
+
+namespace layerstream {
+namespace {
+
+std::size_t align16(std::size_t n) { return (n + 15) / 16 * 16; }
+
+std::vector<std::uint16_t> normal_bf16(std::size_t n, float stddev, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, stddev);
+  std::vector<std::uint16_t> v(n);
+  for (auto& x : v) x = float_to_bf16_bits(dist(rng));
+  return v;
+}
+
+std::vector<std::uint8_t> encode(const std::vector<std::uint16_t>& v, LosslessSpec* spec_out = nullptr) {
+  const LosslessSpec spec = lossless_plan(v.data(), v.size());
+  std::vector<std::uint8_t> buf(spec.bytes(), 0xAB);  // the encoder must write every byte, padding too
+  lossless_encode(spec, v.data(), buf.data());
+  if (spec_out) *spec_out = spec;
+  return buf;
+}
+
+std::vector<std::uint16_t> decode(const LosslessSpec& spec, const std::vector<std::uint8_t>& buf) {
+  std::vector<std::uint16_t> out(spec.count, 0xFFFF);
+  lossless_decode_host(spec, buf.data(), out.data());
+  return out;
+}
+
+// The layout of lossless.h, one value at a time, for the table `spec` holds.
+std::vector<std::uint8_t> reference_encoding(const LosslessSpec& spec, const std::vector<std::uint16_t>& v) {
+  std::vector<std::uint8_t> buf(spec.bytes(), 0);
+  std::vector<std::uint32_t> list;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const unsigned e = (v[i] >> 7) & 0xFF;
+    buf[i] = static_cast<std::uint8_t>(((v[i] >> 8) & 0x80) | (v[i] & 0x7F));
+    unsigned code = LosslessSpec::kException;
+    for (unsigned c = 0; c < LosslessSpec::kException; ++c) {
+      if (spec.exponent[c] == e) {
+        code = c;
+        break;
+      }
+    }
+    buf[spec.codes_offset() + i / 2] |= static_cast<std::uint8_t>(code << (4 * (i % 2)));
+    if (code == LosslessSpec::kException) {
+      list.push_back(static_cast<std::uint32_t>(i));
+      list.push_back(e);
+    }
+  }
+  std::memcpy(buf.data() + spec.exceptions_offset(), list.data(), list.size() * 4);
+  return buf;
+}
+
+TEST(Lossless, EveryBitPatternRoundTripsExactly) {
+  // All 65536 patterns (NaNs with their payloads, infinities, subnormals, both zeros), shuffled: 256
+  // exponents, so all but fifteen of them are exceptions.
+  std::vector<std::uint16_t> v(65536);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<std::uint16_t>(i);
+  std::shuffle(v.begin(), v.end(), std::mt19937(3));
+  LosslessSpec spec;
+  const std::vector<std::uint8_t> buf = encode(v, &spec);
+  EXPECT_EQ(spec.exceptions, 65536u - 15u * 256u);  // every exponent holds 256 patterns
+  EXPECT_EQ(decode(spec, buf), v);
+  EXPECT_EQ(buf, reference_encoding(spec, v));
+}
+
+TEST(Lossless, WeightLikeValuesTakeThreeQuartersOfTheBytes) {
+  const std::size_t n = 3 * 1024 * 1024 + 5;  // several encoder threads where there are cores; odd
+  const std::vector<std::uint16_t> v = normal_bf16(n, 0.02f, 1);
+  LosslessSpec spec;
+  const std::vector<std::uint8_t> buf = encode(v, &spec);
+  // Outside N(0, s)'s fifteen most frequent octaves: |x| below 2^-13 s or above 4 s, about 1.6e-4 of them.
+  EXPECT_LT(spec.exceptions, n / 2000);
+  EXPECT_EQ(spec.bytes(), align16(n) + align16((n + 1) / 2) + 8 * spec.exceptions);
+  EXPECT_LT(static_cast<double>(spec.bytes()), 0.751 * 2.0 * static_cast<double>(n));
+  EXPECT_EQ(buf, reference_encoding(spec, v));
+  EXPECT_EQ(decode(spec, buf), v);
+}
+
+TEST(Lossless, TheTableHoldsTheFifteenMostFrequentExponents) {
+  // Exponent 100 + k appears k + 1 times for k = 0..15: 100 (once) is the one left out.
+  std::vector<std::uint16_t> v;
+  for (unsigned k = 0; k < 16; ++k) {
+    for (unsigned r = 0; r <= k; ++r) v.push_back(static_cast<std::uint16_t>(((100 + k) << 7) | (r & 0x7F)));
+  }
+  std::reverse(v.begin(), v.end());
+  LosslessSpec spec;
+  const std::vector<std::uint8_t> buf = encode(v, &spec);
+  ASSERT_EQ(spec.exceptions, 1u);
+  for (unsigned c = 0; c < 15; ++c) EXPECT_EQ(spec.exponent[c], 115 - c) << "code " << c;  // most frequent first
+  std::uint32_t entry[2];
+  std::memcpy(entry, buf.data() + spec.exceptions_offset(), sizeof entry);
+  EXPECT_EQ(entry[0], v.size() - 1);
+  EXPECT_EQ(entry[1], 100u);
+  EXPECT_EQ(decode(spec, buf), v);
+}
+
+TEST(Lossless, FewExponentsNeedNoExceptionsAndShortTensorsWork) {
+  for (std::size_t n : {std::size_t{1}, std::size_t{2}, std::size_t{7}, std::size_t{9}, std::size_t{17},
+                        std::size_t{33}}) {
+    std::vector<std::uint16_t> v(n);
+    for (std::size_t i = 0; i < n; ++i) v[i] = i % 3 == 0 ? 0x0000 : i % 3 == 1 ? 0x8000 : 0x3F80;  // 0, -0, 1
+    LosslessSpec spec;
+    const std::vector<std::uint8_t> buf = encode(v, &spec);
+    EXPECT_EQ(spec.exceptions, 0u);
+    EXPECT_EQ(decode(spec, buf), v) << n;
+    EXPECT_EQ(buf, reference_encoding(spec, v)) << n;
+  }
+}
+
+TEST(Lossless, RefusesNoValuesAndASpecOfOtherValues) {
+  const std::uint16_t one = 0x3F80;
+  EXPECT_THROW(lossless_plan(&one, 0), InvalidArgument);
+  const std::vector<std::uint16_t> a(64, 0x3F80);
+  std::vector<std::uint16_t> b(64);
+  for (std::size_t i = 0; i < b.size(); ++i) b[i] = static_cast<std::uint16_t>(i << 9);  // many exponents
+  const LosslessSpec spec = lossless_plan(a.data(), a.size());
+  std::vector<std::uint8_t> buf(spec.bytes() + 64 * 8);
+  try {
+    lossless_encode(spec, b.data(), buf.data());
+    FAIL() << "encoded values with another tensor's spec";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("exceptions"), std::string::npos) << e.what();
+  }
+}
+
+#ifdef LAYERSTREAM_WITH_CUDA
+class LosslessCuda : public testing::BackendTest {};
+
+// The kernels against the reference: weight-like values (the wide path, few exceptions), every bit pattern
+// (most values exceptions), odd counts (the scalar tail), and a buffer only 4-byte aligned (the narrow path).
+TEST_P(LosslessCuda, KernelsEqualTheReferenceBitForBit) {
+  if (GetParam() != "cuda") GTEST_SKIP() << "the kernels run on the cuda backend only";
+  const StreamHandle stream = backend().stream_create();
+  std::vector<std::vector<std::uint16_t>> inputs{normal_bf16(1 << 20, 0.02f, 2), normal_bf16(1001, 3.0f, 4)};
+  std::vector<std::uint16_t> all(65536);
+  for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<std::uint16_t>(i);
+  std::shuffle(all.begin(), all.end(), std::mt19937(5));
+  inputs.push_back(all);
+  for (const auto& v : inputs) {
+    for (std::size_t offset : {std::size_t{0}, std::size_t{4}}) {
+      LosslessSpec spec;
+      const std::vector<std::uint8_t> buf = encode(v, &spec);
+      void* d_block = backend().device_alloc(buf.size() + offset);
+      void* d_in = static_cast<unsigned char*>(d_block) + offset;
+      void* d_out = backend().device_alloc(v.size() * 2);
+      PinnedBuffer h_in(backend(), buf.size(), PinMethod::kHostAlloc);
+      std::memcpy(h_in.data(), buf.data(), buf.size());
+      backend().memcpy_h2d_async(d_in, h_in.data(), buf.size(), stream);
+      lossless_decode_cuda(spec, d_in, d_out, stream.raw);
+      const std::vector<unsigned char> got = read_back(d_out, v.size() * 2, stream);
+      backend().device_free(d_block);
+      backend().device_free(d_out);
+      EXPECT_EQ(std::memcmp(got.data(), v.data(), got.size()), 0)
+          << v.size() << " values, " << spec.exceptions << " exceptions, offset " << offset;
+    }
+  }
+  backend().stream_destroy(stream);
+}
+
+LS_INSTANTIATE_ON_BACKENDS(LosslessCuda);
+#endif
+
+}  // namespace
+}  // namespace layerstream
