@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The fused dequantization kernel against torch operations computing the same formula, on FLUX.1 layer
 shapes: time per call, achieved HBM bandwidth (codes read + scales read + output written) and, where the
-peak is known, its share of it. Also checks that both give the same bits.
+peak is known, its share of it. Also checks that both give the same bits. Then the lossless bfloat16
+decoder (LAYERSTREAM_HOST_DTYPE=lossless) on weight-like values of the same shapes: its time, bandwidth
+(packed bytes read + output written), the packed size, and that it rebuilds the weight bit for bit.
 
     python benchmarks/dequant_bench.py [--json-out FILE] [--peak-gbs 4800]
 
@@ -82,6 +84,24 @@ def main(argv: list[str] | None = None) -> int:
                          "same_bits": same})
             print(f"{label:42} {r:>6}x{c:<6} {t_k * 1e6:>10.1f} {gbs_k:>8.0f} "
                   f"{'-' if share is None else f'{share:.0f}':>7} {t_o * 1e6:>10.1f} {gbs_o:>8.0f}  {same}", flush=True)
+    for r, c in shapes:
+        gen = torch.Generator(device="cpu").manual_seed(r * 17 + c)
+        weight = (torch.randn(r, c, generator=gen) * 0.02).to(torch.bfloat16)
+        packed, spec = mm._lossless_pack(weight)
+        packed = packed.to(device)
+        kernel = lambda: mm._lossless_unpack(packed, spec, [r, c])  # noqa: E731
+        same = torch.equal(kernel().cpu(), weight)
+        moved = packed.numel() + weight.numel() * 2
+        t_k = _time(kernel, device, repeats)
+        gbs_k = moved / t_k / 1e9
+        share = gbs_k / args.peak_gbs * 100 if args.peak_gbs else None
+        ratio = packed.numel() / (weight.numel() * 2)
+        label = f"lossless bf16 ({ratio:.3f} of the bytes)"
+        rows.append({"kind": "lossless", "shape": [r, c], "device": str(device), "kernel_s": t_k,
+                     "kernel_gbs": gbs_k, "kernel_share_of_peak": share, "packed_ratio": ratio,
+                     "exceptions": spec[1], "same_bits": same})
+        print(f"{label:42} {r:>6}x{c:<6} {t_k * 1e6:>10.1f} {gbs_k:>8.0f} "
+              f"{'-' if share is None else f'{share:.0f}':>7} {'-':>10} {'-':>8}  {same}", flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,

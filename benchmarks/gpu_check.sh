@@ -26,6 +26,8 @@
 #          plus the two-process pytest of the shared copy on NCCL
 #   perf   FLUX.1-shaped: resident vs streamed bf16, streamed with float8 host storage, and stock vs
 #          layerstream under a 24 GiB cap with that cap as layerstream's VRAM budget
+#   lossless  LAYERSTREAM_HOST_DTYPE=lossless: the decoder's bandwidth, FLUX.1 100% streamed and FLUX.2
+#          under a 24 GiB cap, layerstream alone (LAYERSTREAM_LOSSLESS_RUNS picks; about 5 minutes)
 #   rings  FLUX.1-shaped bf16 100% streamed, layerstream alone, at several ring sizes, lookaheads and
 #          placements (LAYERSTREAM_PERF_RINGS="default default:lru 1024 1536x16:lru ...": MiB, x layers,
 #          :fifo or :lru for LAYERSTREAM_RING_POLICY)
@@ -389,6 +391,30 @@ if want perf2 && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
     [[ $ring != plan ]] && envs+=(LAYERSTREAM_RING_MB="$ring")
     flux "perf2_ring$ring" "${envs[@]}" "${F2[@]}" --mode layerstream --vram-cap-gb 24
   done
+fi
+
+if want lossless && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
+  # LAYERSTREAM_HOST_DTYPE=lossless (frozen bf16 weights packed exactly, about 12 bits per value): the
+  # decoder's bandwidth, then layerstream alone on the runs LAYERSTREAM_LOSSLESS_RUNS picks (default both):
+  # flux1 = FLUX.1 100% streamed (about 1.5 minutes), flux2cap = FLUX.2 under a 24 GiB cap with that cap as
+  # its budget (about 3). The floors' compute times come from LAYERSTREAM_REFERENCE_JSON_FLUX1 and
+  # LAYERSTREAM_REFERENCE_JSON_FLUX2 (runs with a resident row) when given.
+  ensure_installed
+  step "the lossless decoder on FLUX.1 layer shapes"
+  run lossless_decode python3 benchmarks/dequant_bench.py --peak-gbs 4800 --json-out "$OUT/lossless_decode.json"
+  grep -E "^lossless" "$OUT/all.log" | tail -n 4 | sed 's/^/      /' >>"$OUT/summary.txt"
+  LRUNS=",${LAYERSTREAM_LOSSLESS_RUNS:-flux1,flux2cap},"
+  if [[ $LRUNS == *,flux1,* ]]; then
+    step "FLUX.1 100% streamed, layerstream with LAYERSTREAM_HOST_DTYPE=lossless"
+    REF=(); [[ -n ${LAYERSTREAM_REFERENCE_JSON_FLUX1:-} ]] && REF=(--reference-json "$LAYERSTREAM_REFERENCE_JSON_FLUX1")
+    flux lossless_flux1 --preset flux1 --mode layerstream --host-dtype lossless --warmup 3 --steps 4 "${REF[@]}"
+  fi
+  if [[ $LRUNS == *,flux2cap,* ]]; then
+    step "FLUX.2 under a 24 GiB cap, layerstream with LAYERSTREAM_HOST_DTYPE=lossless (budget = the cap)"
+    REF=(); [[ -n ${LAYERSTREAM_REFERENCE_JSON_FLUX2:-} ]] && REF=(--reference-json "$LAYERSTREAM_REFERENCE_JSON_FLUX2")
+    flux lossless_flux2cap LAYERSTREAM_VRAM_BUDGET=24GiB --preset flux2 --mode layerstream --host-dtype lossless \
+      --vram-cap-gb 24 --warmup 3 --steps 3 "${REF[@]}"
+  fi
 fi
 
 if want ddp; then

@@ -944,9 +944,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                    "against its kernels into FILE-<mode>.png")
     parser.add_argument("--quantize", choices=("qfloat8", "qint8"),
                         help="quantize every linear with optimum-quanto (weights only, frozen) in every mode")
-    parser.add_argument("--host-dtype", choices=("float8_e4m3fn", "float8_e5m2"),
-                        help="layerstream mode only: LAYERSTREAM_HOST_DTYPE, frozen weights kept and streamed as "
-                             "8-bit codes with a scale per output channel (the other modes stream bf16)")
+    parser.add_argument("--host-dtype", choices=("lossless", "float8_e4m3fn", "float8_e5m2"),
+                        help="layerstream mode only: LAYERSTREAM_HOST_DTYPE, frozen weights kept and streamed "
+                             "packed exactly in about 12 bits per value (lossless) or as 8-bit codes with a scale "
+                             "per output channel (float8; the other modes stream bf16)")
     parser.add_argument("--rank", type=int, default=128, help="LoRA rank (alpha = rank)")
     parser.add_argument("--lora-init-nonzero", action="store_true",
                         help="start lora_up at N(0, 1e-3) instead of zero, so lora_down gets gradients too")

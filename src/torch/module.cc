@@ -795,6 +795,38 @@ PYBIND11_MODULE(manager_modules, m) {
       "Codes (int8/float8) times a per-row (or single) scale, rounded to `math` then to `out`: the fused "
       "CUDA kernel for CUDA tensors, its host reference for CPU ones (use_core=False: torch operations). "
       "For tests and benchmarks.");
+  m.def(
+      "_lossless_pack",
+      [](const at::Tensor& weight) {
+        LS_CHECK_ARG(weight.scalar_type() == at::kBFloat16 && weight.numel() > 0,
+                     "_lossless_pack takes a non-empty bfloat16 tensor, not ", weight.scalar_type(), " of shape ",
+                     weight.sizes());
+        const at::Tensor exact = weight.detach().to(at::kCPU).contiguous();
+        const auto* values = static_cast<const std::uint16_t*>(exact.data_ptr());
+        const LosslessSpec spec = lossless_plan(values, static_cast<std::size_t>(exact.numel()));
+        at::Tensor codes = at::empty({static_cast<std::int64_t>(spec.bytes())}, at::TensorOptions().dtype(at::kByte));
+        lossless_encode(spec, values, codes.data_ptr());
+        const std::vector<int> table(spec.exponent.begin(), spec.exponent.end());
+        return py::make_tuple(codes, py::make_tuple(spec.count, spec.exceptions, table));
+      },
+      py::arg("weight"),
+      "Packs a bfloat16 tensor losslessly (layerstream/lossless.h) on the host: (uint8 bytes, spec). For "
+      "tests and benchmarks.");
+  m.def(
+      "_lossless_unpack",
+      [](const at::Tensor& codes, const py::tuple& spec_tuple, const std::vector<std::int64_t>& shape) {
+        LosslessSpec spec;
+        spec.count = spec_tuple[0].cast<std::size_t>();
+        spec.exceptions = spec_tuple[1].cast<std::size_t>();
+        const auto table = spec_tuple[2].cast<std::vector<int>>();
+        LS_CHECK_ARG(table.size() == spec.exponent.size(), "_lossless_unpack: a table of 16 exponents, not ",
+                     table.size());
+        for (std::size_t k = 0; k < table.size(); ++k) spec.exponent[k] = static_cast<std::uint8_t>(table[k]);
+        return lossless_unpack(codes, spec, shape);
+      },
+      py::arg("codes"), py::arg("spec"), py::arg("shape"),
+      "The bfloat16 tensor of `shape` rebuilt from _lossless_pack's bytes (on their device: the CUDA kernels "
+      "on torch's current stream, or the host reference). For tests and benchmarks.");
   m.def("sync_grad_transfers", [] {
     {
       auto states = DeviceState::live();

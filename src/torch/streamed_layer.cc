@@ -1,6 +1,7 @@
 #include "streamed_layer.h"
 
 #include <ATen/TensorUtils.h>
+#include <c10/util/accumulate.h>
 #include <c10/util/strides.h>
 
 #include <cstdlib>
@@ -150,18 +151,26 @@ bool StreamedLayer::matches(const Packed& p, const at::Tensor& t) {
 namespace {
 
 // LAYERSTREAM_HOST_DTYPE: how frozen floating-point weights are kept in the arena (and cross the bus).
-std::optional<at::ScalarType> host_dtype_setting() {
+struct HostStorage {
+  std::optional<at::ScalarType> float8;  // 8-bit codes with a float32 scale per output channel (lossy)
+  bool lossless = false;                  // bfloat16 weights packed exactly (lossless.h)
+  bool any() const { return float8.has_value() || lossless; }
+};
+
+HostStorage host_storage_setting() {
+  HostStorage h;
   const char* v = std::getenv("LAYERSTREAM_HOST_DTYPE");
-  if (v == nullptr || *v == '\0') return std::nullopt;
+  if (v == nullptr || *v == '\0') return h;
   const std::string s(v);
-  if (s == "float8_e4m3fn") return at::kFloat8_e4m3fn;
-  if (s == "float8_e5m2") return at::kFloat8_e5m2;
-  if (s == "same") return std::nullopt;
-  LS_CHECK_ARG(false, "LAYERSTREAM_HOST_DTYPE=", s,
-               " is not a setting layerstream knows: use float8_e4m3fn or float8_e5m2 (frozen weights kept and "
-               "streamed as 8-bit codes with a scale per output channel), or unset it (or 'same') to stream "
-               "weights as they are");
-  return std::nullopt;
+  if (s == "float8_e4m3fn") h.float8 = at::kFloat8_e4m3fn;
+  if (s == "float8_e5m2") h.float8 = at::kFloat8_e5m2;
+  h.lossless = s == "lossless";
+  LS_CHECK_ARG(h.any() || s == "same", "LAYERSTREAM_HOST_DTYPE=", s,
+               " is not a setting layerstream knows: use lossless (frozen bfloat16 weights kept and streamed "
+               "exactly, in about three quarters of their bytes), float8_e4m3fn or float8_e5m2 (frozen weights "
+               "kept and streamed as 8-bit codes with a scale per output channel), or unset it (or 'same') to "
+               "stream weights as they are");
+  return h;
 }
 
 std::optional<CodeType> code_type_of(at::ScalarType t) {
@@ -313,26 +322,49 @@ void remember_identity(Packed& p, const at::Tensor& t) {
 
 void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
   LS_CHECK_ARG(weight.defined(), "a managed layer needs a weight");
-  const std::optional<at::ScalarType> host_dtype = host_dtype_setting();
+  const HostStorage host = host_storage_setting();
+  const bool decoder = host.lossless && lossless_decoder_here();  // may log: before the lock
   std::lock_guard<std::mutex> lock(mu_);
   const auto wt = weight.scalar_type();
-  const bool compress = host_dtype.has_value() && !weight.requires_grad() && weight.numel() > 0 &&
-                        (wt == at::kBFloat16 || wt == at::kHalf || wt == at::kFloat);
+  const bool frozen = !weight.requires_grad() && weight.numel() > 0;
+  const bool to_float8 =
+      host.float8.has_value() && frozen && (wt == at::kBFloat16 || wt == at::kHalf || wt == at::kFloat);
+  // Other dtypes, and tensors beyond the encoding's 32-bit indices, are stored as they are.
+  const bool to_lossless = host.lossless && frozen && wt == at::kBFloat16 &&
+                           static_cast<std::size_t>(weight.numel()) <= kLosslessMaxCount && decoder;
+  const bool compress = to_float8 || to_lossless;
   Packed w, b;
   std::optional<QuantParts> q;
   std::vector<std::pair<Packed*, at::Tensor>> parts;
   at::Tensor codes, scale;
-  if (compress) {
+  if (to_lossless) {
+    // Frozen bfloat16 weight packed exactly (lossless.h); as for float8, the Parameter keeps its values in
+    // ordinary (pageable) host memory, outside the arena.
+    const at::Tensor exact = weight.detach().to(at::kCPU).contiguous();
+    const auto* values = static_cast<const std::uint16_t*>(exact.data_ptr());
+    const LosslessSpec spec = lossless_plan(values, static_cast<std::size_t>(exact.numel()));
+    codes = at::empty({static_cast<std::int64_t>(spec.bytes())}, at::TensorOptions().dtype(at::kByte));
+    lossless_encode(spec, values, codes.data_ptr());
+    w = describe(codes, {1}, at::kByte);
+    q.emplace();
+    q->math = wt;
+    q->result = wt;
+    q->compressed = true;
+    q->lossless = spec;
+    q->sizes = weight.sizes().vec();
+    parts = {{&w, codes}};
+  } else if (to_float8) {
+    const at::ScalarType f8 = *host.float8;
     // Frozen weight kept as 8-bit codes with a float32 scale per output channel (amax / largest code);
     // the Parameter keeps its exact values in ordinary (pageable) host memory, outside the arena.
     const at::Tensor wf = weight.detach().to(at::kCPU).to(at::kFloat);
     std::vector<std::int64_t> rest;
     for (std::int64_t d = 1; d < wf.dim(); ++d) rest.push_back(d);
     at::Tensor amax = rest.empty() ? wf.abs() : wf.abs().amax(rest, /*keepdim=*/true);
-    scale = amax / float8_max(*host_dtype);
+    scale = amax / float8_max(f8);
     scale.masked_fill_(scale == 0, 1.0);
-    codes = (wf / scale).clamp(-float8_max(*host_dtype), float8_max(*host_dtype)).to(*host_dtype);
-    w = describe(codes, codes.strides().vec(), *host_dtype);
+    codes = (wf / scale).clamp(-float8_max(f8), float8_max(f8)).to(f8);
+    w = describe(codes, codes.strides().vec(), f8);
     q.emplace();
     q->scale = describe(scale, scale.strides().vec(), at::kFloat);
     q->math = at::kFloat;
@@ -362,7 +394,7 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
   remember_identity(w, weight);
   if (b.defined) remember_identity(b, bias);
   install(std::move(block), std::move(w), std::move(b), std::move(q));
-  compress_frozen_ = host_dtype.has_value();
+  compress_frozen_ = host.any();
 }
 
 std::array<at::Tensor, 2> StreamedLayer::pack_quantized(const at::Tensor& codes, const at::Tensor& scale,
@@ -432,6 +464,7 @@ bool StreamedLayer::tensors_current(const std::vector<at::Tensor>& tensors) {
 }
 
 std::string StreamedLayer::stored_as() const {
+  if (quant_ && quant_->lossless) return "lossless " + std::string(c10::toString(quant_->result));
   if (!tensors_.empty()) return std::string(c10::toString(tensors_.front().dtype));  // the first buffer's
   return std::string(c10::toString(weight_.dtype));
 }
@@ -526,7 +559,57 @@ at::Tensor dequantize_codes(const at::Tensor& codes, const at::Tensor& scale, at
   return (codes.to(math) * scale.to(math)).to(result);
 }
 
+bool StreamedLayer::lossless_decoder_here() const {
+#if !(defined(LAYERSTREAM_WITH_CUDA) && defined(LAYERSTREAM_TORCH_CUDA))
+  if (state_->mode() == Mode::kCuda) {
+    log_once("lossless-no-kernel", LogLevel::kWarning,
+             "layerstream: LAYERSTREAM_HOST_DTYPE=lossless needs the CUDA decoder, which this build lacks (a "
+             "CPU-only build of the core, or of torch); weights are stored and streamed as they are");
+    return false;
+  }
+#endif
+  return true;
+}
+
+std::vector<std::int64_t> StreamedLayer::weight_sizes(const at::Tensor& codes) const {
+  return quant_->lossless ? quant_->sizes : codes.sizes().vec();
+}
+
+namespace {
+
+// Rebuilds a losslessly packed weight into `out` (contiguous, the weight's shape and dtype, on the
+// codes' device): the kernels on torch's current stream of that device, or the host reference.
+void run_lossless_decode(const LosslessSpec& spec, const at::Tensor& codes, at::Tensor& out) {
+  if (!codes.is_cuda()) {
+    lossless_decode_host(spec, codes.data_ptr(), static_cast<std::uint16_t*>(out.data_ptr()));
+    return;
+  }
+#if defined(LAYERSTREAM_WITH_CUDA) && defined(LAYERSTREAM_TORCH_CUDA)
+  const c10::cuda::CUDAGuard guard(codes.device().index());
+  lossless_decode_cuda(spec, codes.data_ptr(), out.data_ptr(),
+                       c10::cuda::getCurrentCUDAStream(codes.device().index()).stream());
+#else
+  LS_CHECK(false, "internal: no lossless decoder in this build");
+#endif
+}
+
+}  // namespace
+
+at::Tensor lossless_unpack(const at::Tensor& codes, const LosslessSpec& spec, c10::IntArrayRef sizes) {
+  LS_CHECK_ARG(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                   static_cast<std::size_t>(codes.numel()) >= spec.bytes() &&
+                   static_cast<std::size_t>(c10::multiply_integers(sizes)) == spec.count,
+               "lossless_unpack: ", spec.bytes(), " contiguous uint8 bytes of ", spec.count, " values needed, not ",
+               codes.numel(), " ", codes.scalar_type(), " for shape ", sizes);
+  at::Tensor out = at::empty(sizes, codes.options().dtype(at::kBFloat16));
+  run_lossless_decode(spec, codes, out);
+  return out;
+}
+
 at::Tensor StreamedLayer::dequantize(const at::Tensor& codes, const at::Tensor& scale, bool on_device) const {
+  if (quant_->lossless) {  // one decoder, wherever the bytes are (exact: nothing to match upstream's math)
+    return lossless_unpack(codes, *quant_->lossless, quant_->sizes);
+  }
   // The simulator's "device" copy is host memory: the kernel's host reference computes it, so CI runs the
   // routine the CUDA kernel mirrors. A CPU process device uses torch operations (upstream's math).
   const bool use_core = on_device || state_->mode() == Mode::kSim;
@@ -535,9 +618,10 @@ at::Tensor StreamedLayer::dequantize(const at::Tensor& codes, const at::Tensor& 
 
 at::Tensor StreamedLayer::dequantize_in_scratch(const at::Tensor& codes, const at::Tensor& scale, const Lease& lease,
                                                  at::Device where, StreamHandle consumer) {
-  const std::size_t bytes = static_cast<std::size_t>(codes.numel()) * c10::elementSize(quant_->result);
+  const std::vector<std::int64_t> sizes = weight_sizes(codes);
+  const std::size_t bytes = static_cast<std::size_t>(c10::multiply_integers(sizes)) * c10::elementSize(quant_->result);
   LS_CHECK(lease.extra_bytes >= bytes, "internal: scratch of ", lease.extra_bytes, " bytes for a weight of ", bytes);
-  at::Tensor out = at::from_blob(lease.extra, codes.sizes(), at::TensorOptions().dtype(quant_->result).device(where));
+  at::Tensor out = at::from_blob(lease.extra, sizes, at::TensorOptions().dtype(quant_->result).device(where));
   const bool on_host = where.is_cpu();
   std::lock_guard<std::mutex> lock(scratch_mu_);
   if (lease.fill == scratch_fill_ && consumer.raw == scratch_stream_) {  // this copy, dequantized on this stream
@@ -551,10 +635,14 @@ at::Tensor StreamedLayer::dequantize_in_scratch(const at::Tensor& codes, const a
   }
   // A new copy: its H2D copy waited for every earlier reader of this memory, and the consumer waited for
   // the copy, so the write below is ordered after all of them.
-  const std::optional<DequantSpec> spec = core_dequant_spec(codes, scale, quant_->math, quant_->result);
-  LS_CHECK(spec.has_value(), "internal: scratch was asked for a weight the core cannot dequantize");
   if (on_host) state_->backend().annotate_host_access(lease.extra, bytes, true);
-  run_core_dequant(*spec, codes, scale, out);
+  if (quant_->lossless) {
+    run_lossless_decode(*quant_->lossless, codes, out);
+  } else {
+    const std::optional<DequantSpec> spec = core_dequant_spec(codes, scale, quant_->math, quant_->result);
+    LS_CHECK(spec.has_value(), "internal: scratch was asked for a weight the core cannot dequantize");
+    run_core_dequant(*spec, codes, scale, out);
+  }
   scratch_fill_ = lease.fill;
   scratch_stream_ = consumer.raw;
   state_->note_dequant(DequantUse::kIntoScratch);
@@ -574,6 +662,7 @@ at::Tensor StreamedLayer::compute_on_host(const at::Tensor& x, const at::Tensor&
 
 std::size_t StreamedLayer::scratch_bytes_locked() const {
   if (!quant_ || state_->mode() == Mode::kCpu) return 0;
+  if (quant_->lossless) return quant_->lossless->count * c10::elementSize(quant_->result);  // pack() checked the decoder
   // The device views have the host views' dtypes, sizes and strides: ask on the host ones, for the device.
   const at::Tensor codes = view_of(block_->data(), weight_, at::kCPU);
   const at::Tensor scale = view_of(block_->data(), quant_->scale, at::kCPU);
@@ -760,7 +849,7 @@ std::array<at::Tensor, 3> StreamedLayer::compute_backward(const at::Tensor& grad
   if (kind_ == LayerKind::kLinear) {
     // The formulas of upstream autograd for linear (addmm / matmul + add), so that results are
     // bitwise those of the all-resident layer.
-    const std::int64_t out_features = weight_.sizes[0];
+    const std::int64_t out_features = quant_ && quant_->lossless ? quant_->sizes[0] : weight_.sizes[0];
     const at::Tensor g2 = grad_out.reshape({-1, out_features});
     if (need_x) {
       gx = with_device_weights([&](const at::Tensor& w, const at::Tensor&) {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "device_state.h"
+#include "layerstream/lossless.h"
 
 namespace layerstream::torchglue {
 
@@ -40,6 +41,9 @@ struct ConvParams {
 // the host reference for host tensors) where the layout allows; otherwise torch operations do.
 at::Tensor dequantize_codes(const at::Tensor& codes, const at::Tensor& scale, at::ScalarType math,
                             at::ScalarType result, bool use_core);
+// A contiguous bfloat16 tensor rebuilt from losslessly packed bytes (layerstream/lossless.h), on the bytes'
+// device: the CUDA kernels on torch's current stream, or the host reference.
+at::Tensor lossless_unpack(const at::Tensor& codes, const LosslessSpec& spec, c10::IntArrayRef sizes);
 
 // The quantized weights the fused path takes: int8/float8 codes with a float32/float16/bfloat16 scale,
 // one per output row (shape [out, 1, ...]) or one for the tensor.
@@ -66,12 +70,15 @@ class StreamedLayer : public torch::CustomClassHolder {
     std::uint32_t version = 0;
     bool defined = false;
   };
-  // A weight stored as codes and a scale (weight_ then describes the codes).
+  // A weight stored as codes and a scale (weight_ then describes the codes), or packed losslessly
+  // (weight_ then describes the encoded bytes, `scale` is undefined, `lossless` the encoding).
   struct QuantParts {
     Packed scale;
     at::ScalarType math = at::kFloat;
     at::ScalarType result = at::kBFloat16;
     bool compressed = false;  // made here from a plain Parameter (LAYERSTREAM_HOST_DTYPE)
+    std::optional<LosslessSpec> lossless;
+    std::vector<std::int64_t> sizes;  // the weight's shape (the encoded bytes are one flat run)
   };
 
   StreamedLayer(std::shared_ptr<DeviceState> state, LayerKind kind, ConvParams conv = {});
@@ -150,6 +157,10 @@ class StreamedLayer : public torch::CustomClassHolder {
   // Scratch to ask of the engine for this layer: its dequantized weight, where the core dequantizes it
   // (a quantized layer on the simulator or on CUDA), else 0. Caller holds mu_; install() keeps it in scratch_.
   std::size_t scratch_bytes_locked() const;
+  // Whether this process device can decode losslessly packed weights (says once when it cannot).
+  bool lossless_decoder_here() const;
+  // The shape of the weight whose stored form is `codes` (codes' own, or the packed weight's).
+  std::vector<std::int64_t> weight_sizes(const at::Tensor& codes) const;
   // forward() and forward_frozen() after their checks: `weight` undefined for a quantized layer.
   at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
   at::Tensor compute_on_host(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const;

@@ -1,0 +1,181 @@
+"""LAYERSTREAM_HOST_DTYPE=lossless: frozen bfloat16 weights kept in the arena and streamed packed (a sign and
+mantissa byte, a 4-bit exponent code, listed exceptions; include/layerstream/lossless.h) and rebuilt where
+the layer computes. Every output and gradient is bitwise the unpacked run's; the arena holds exactly the
+packed bytes; the bus carries them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import clear_device_states
+from contract_driver import ContractManager
+from layerstream import manager_modules as mm
+from models import TinyTransformer, apply_lora
+
+
+class Manager:
+    def __init__(self, device):
+        self.process_device = torch.device(device)
+
+
+def _align(n: int, to: int = 256) -> int:
+    return (n + to - 1) // to * to
+
+
+def packed_bytes(w: torch.Tensor) -> int:
+    """The encoded size lossless.h gives: n low bytes, n/2 code bytes (each section 16-aligned), and eight
+    bytes per value whose exponent is not among the tensor's fifteen most frequent."""
+    n = w.numel()
+    exponents = ((w.detach().cpu().contiguous().view(torch.int16).to(torch.int32) >> 7) & 0xFF).flatten()
+    counts = torch.bincount(exponents, minlength=256).sort(descending=True, stable=True).values
+    exceptions = n - int(counts[:15].sum())
+    return _align(n, 16) + _align((n + 1) // 2, 16) + 8 * exceptions
+
+
+def _spread(w: torch.Tensor) -> None:
+    """Gives the first two output channels magnitudes over forty octaves (more exponents than the table
+    holds: exceptions), plus zeros of both signs and subnormals."""
+    with torch.no_grad():
+        head = w[:2]
+        head.mul_(torch.exp2(torch.randint(-30, 12, head.shape).float()).to(w.dtype))
+        w.view(-1)[:4] = torch.tensor([0.0, -0.0, 1e-40, -3e-39], dtype=w.dtype)
+
+
+@pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv"])
+def test_lossless_weights_cross_the_bus_packed_and_change_no_bit(engine, device, monkeypatch, conv):
+    monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "lossless")
+    clear_device_states()
+    torch.manual_seed(12)
+    layer = (torch.nn.Conv2d(8, 16, 3) if conv else torch.nn.Linear(96, 48)).to(torch.bfloat16)
+    _spread(layer.weight)
+    layer.weight.requires_grad_(False)  # frozen weight, trainable bias
+    original = layer.weight.detach().clone()
+    reference = copy.deepcopy(layer).to(device)
+    expected_bytes = packed_bytes(original)
+    assert expected_bytes > _align(original.numel(), 16) + _align(original.numel() // 2, 16)  # some exceptions
+
+    cls = mm.ConvLayerMemoryManager if conv else mm.LinearLayerMemoryManager
+    cls.attach(layer, Manager(device))
+    lmm = layer._layer_memory_manager
+    assert lmm.stored_as == "lossless BFloat16"
+    assert lmm.packed_bytes == _align(expected_bytes) + layer.bias.numel() * 2
+    shape = (2, 8, 7, 7) if conv else (6, 96)
+    for i in range(2):  # the second call finds the weight in the ring (or resident): same bits
+        x = torch.randn(shape, dtype=torch.bfloat16, device=device, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        out, ref = layer(x), reference(xr)
+        assert torch.equal(out, ref)
+        if i == 0 and engine != "cpu":  # the packed block crossed the bus once
+            assert mm._DEVICE_STATE[torch.device(device)].stats()["bytes_h2d"] == lmm.packed_bytes
+        out.float().square().sum().backward()
+        ref.float().square().sum().backward()
+        mm.sync_grad_transfers()
+        assert torch.equal(x.grad, xr.grad)
+        assert torch.equal(layer.bias.grad.to(device), reference.bias.grad)
+        layer.bias.grad = None
+        reference.bias.grad = None
+    # The Parameter keeps its exact values (state_dict, saving, a later unfreeze see them).
+    assert torch.equal(layer.weight.detach().cpu(), original)
+
+
+def test_lossless_training_is_bitwise_the_plain_streamed_run_with_a_quarter_fewer_bytes(engine, device, monkeypatch):
+    """LoRA training of a bf16 transformer with checkpointing: the same losses and LoRA gradients, step for
+    step, as streaming the weights as they are; the weights take three quarters of the arena's bytes, and
+    the bus carries the packed blocks (the device's own count of bytes copied)."""
+    if engine == "cpu":
+        pytest.skip("the CPU mode copies nothing")
+    monkeypatch.setenv("LAYERSTREAM_RING_MB", "8")  # every block fits: each crosses the bus once
+    torch.manual_seed(5)
+    base = TinyTransformer(d=128, ff=384, layers=3, checkpointing="non_reentrant").to(torch.bfloat16)
+    base.requires_grad_(False)
+    linears = [m for m in base.modules() if isinstance(m, torch.nn.Linear)]
+
+    def train(host_dtype):
+        if host_dtype:
+            monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", host_dtype)
+        else:
+            monkeypatch.delenv("LAYERSTREAM_HOST_DTYPE", raising=False)
+        clear_device_states()
+        model = copy.deepcopy(base)
+        ContractManager.attach(mm, model, device).to_device()
+        loras = [lo.to(device, torch.bfloat16) for lo in apply_lora(model)]
+        opt = torch.optim.AdamW([p for lo in loras for p in lo.parameters()], lr=1e-2)
+        g = torch.Generator().manual_seed(10)
+        losses, grads = [], []
+        for _ in range(3):
+            x = torch.randn(2, 6, 128, generator=g).to(device, torch.bfloat16)
+            opt.zero_grad(set_to_none=True)
+            loss = model(x).float().pow(2).mean()
+            loss.backward()
+            mm.sync_grad_transfers()
+            grads.append([p.grad.clone() for lo in loras for p in lo.parameters()])
+            opt.step()
+            losses.append(loss.item())
+        state = mm._DEVICE_STATE[torch.device(device)].stats()
+        arena = sum(m._layer_memory_manager.packed_bytes for m in model.modules() if isinstance(m, torch.nn.Linear))
+        return losses, grads, state, arena
+
+    plain_losses, plain_grads, plain_state, plain_arena = train(None)
+    losses, grads, state, arena = train("lossless")
+    assert losses == plain_losses
+    for a, b in zip(grads, plain_grads):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    def block(weight_bytes, m):  # the bias follows the weight at the arena's alignment
+        return _align(weight_bytes) + m.bias.numel() * 2 if m.bias is not None else weight_bytes
+
+    assert plain_arena == sum(block(m.weight.numel() * 2, m) for m in linears)
+    assert arena == sum(block(packed_bytes(m.weight), m) for m in linears)
+    assert sum(packed_bytes(m.weight) for m in linears) < 0.76 * sum(m.weight.numel() * 2 for m in linears)
+    assert (state["bytes_h2d"], plain_state["bytes_h2d"]) == (arena, plain_arena)
+
+
+def test_lossless_leaves_other_dtypes_as_they_are_and_an_unknown_setting_names_it(engine, device, monkeypatch):
+    monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "lossless")
+    clear_device_states()
+    layer = torch.nn.Linear(16, 8).requires_grad_(False)  # float32: stored as it is
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    assert layer._layer_memory_manager.stored_as == "Float"
+    monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "lossles")
+    with pytest.raises(ValueError, match="LAYERSTREAM_HOST_DTYPE=lossles is not a setting.*use lossless"):
+        mm.LinearLayerMemoryManager.attach(torch.nn.Linear(8, 8).requires_grad_(False), Manager(device))
+
+
+def test_lossless_packs_once_frozen_and_stores_plainly_while_trained(engine, device, monkeypatch):
+    monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "lossless")
+    clear_device_states()
+    torch.manual_seed(6)
+    layer = torch.nn.Linear(32, 16).to(torch.bfloat16)
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    lmm = layer._layer_memory_manager
+    x = torch.randn(3, 32, dtype=torch.bfloat16, device=device)
+    assert lmm.stored_as == "BFloat16"  # trainable at attach
+    layer.requires_grad_(False)
+    with torch.no_grad():
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight.to(device), layer.bias.to(device)))
+    assert lmm.stored_as == "lossless BFloat16"
+    layer.requires_grad_(True)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    layer(x).float().sum().backward()
+    assert lmm.stored_as == "BFloat16"
+    mm.sync_grad_transfers()
+    opt.step()
+    layer.requires_grad_(False)
+    after = layer.weight.detach().clone()
+    with torch.no_grad():  # packed again from the updated values
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, after.to(device), layer.bias.to(device)))
+    assert lmm.stored_as == "lossless BFloat16"
+
+
+def test_the_pack_and_unpack_bindings_round_trip_and_refuse_a_wrong_shape(engine, device):
+    torch.manual_seed(7)
+    weight = (torch.randn(33, 17) * 0.05).to(torch.bfloat16)
+    packed, spec = mm._lossless_pack(weight)
+    assert packed.numel() == packed_bytes(weight) and spec[0] == weight.numel()
+    assert torch.equal(mm._lossless_unpack(packed.to(device), spec, [33, 17]).cpu(), weight)
+    with pytest.raises(ValueError, match="561 values needed.*shape \\[17, 34\\]"):
+        mm._lossless_unpack(packed, spec, [17, 34])
+    with pytest.raises(ValueError, match="non-empty bfloat16 tensor, not Float"):
+        mm._lossless_pack(weight.float())
