@@ -23,7 +23,9 @@
 // ring region (Lease::extra), which a reader may write between wait_ready and release (e.g. the weights it
 // dequantizes from the codes). The scratch lives as long as the region: Lease::fill names the copy that
 // filled the region, so a reader that finds the fill it derived from may use what it wrote there, on the
-// stream that wrote it. Resident copies have no scratch.
+// stream that wrote it. Or the engine derives it: a layer's fill hook (add_external_layer) enqueues the
+// derivation on the H2D stream after each copy, before the copy's ready event. Resident copies have no
+// scratch.
 //
 // Downloads: download() enqueues a D2H copy ordered after the producer stream's work so far and returns
 // a ticket; the device source and host destination must stay alive and untouched until wait_download()
@@ -37,6 +39,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -132,7 +135,13 @@ class TransferEngine {
   // Registers a layer whose host bytes the caller owns (e.g. an arena block shared with tensors that view
   // it). The caller keeps them alive and unchanged until remove_layer() or begin_host_write() returns.
   // `device_extra`: bytes of scratch after the layer's bytes in its ring region (see "Derived data").
-  LayerId add_external_layer(const HostBlock& block, std::size_t device_extra = 0);
+  // `on_fill`: called after each copy into a ring region, with the region, its scratch and the H2D stream,
+  // to enqueue on that stream the work that derives the scratch from the bytes (a decode kernel). It is
+  // enqueued before the copy's ready event, so a lease's consumer that waits for the copy sees the
+  // scratch derived. Resident copies have no scratch and never call it. It runs under the engine's lock:
+  // it may enqueue work (launches, Backend::launch_host_func) but must not wait or call the engine.
+  using FillHook = std::function<void(void* region, void* scratch, StreamHandle h2d)>;
+  LayerId add_external_layer(const HostBlock& block, std::size_t device_extra = 0, FillHook on_fill = {});
   // Bytes a layer takes in the ring: its packed bytes, plus its scratch at the ring's alignment.
   std::size_t device_bytes(LayerId layer) const;
   // Forgets a layer: waits for copies reading its host bytes, drops its ring region, frees its block.
@@ -181,6 +190,7 @@ class TransferEngine {
     bool owned = true;   // block allocated from arena_ (freed by remove_layer)
     std::size_t extra = 0;           // scratch bytes after the block in a ring region
     std::size_t extra_offset = 0;    // where the scratch starts in the region (block bytes, aligned)
+    FillHook on_fill;                // derives the scratch after each ring copy (add_external_layer)
     std::uint64_t fill = 0;          // the copy that filled the ring region (Lease::fill)
     std::uint64_t resident_fill = 0;
     bool prefetched_unused = false;
@@ -219,7 +229,7 @@ class TransferEngine {
   std::vector<Event> bounce_done_;
   std::size_t next_bounce_ = 0;
   mutable std::mutex mu_;
-  LayerId add_locked(const HostBlock& block, bool owned, std::size_t extra);
+  LayerId add_locked(const HostBlock& block, bool owned, std::size_t extra, FillHook on_fill = {});
   static std::size_t footprint(const Layer& layer) { return layer.extra_offset + layer.extra; }
 
   LayerId next_layer_ = 1;

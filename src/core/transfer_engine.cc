@@ -91,18 +91,19 @@ LayerId TransferEngine::add_layer(std::size_t bytes) {
   return add_locked(block, true, 0);
 }
 
-LayerId TransferEngine::add_external_layer(const HostBlock& block, std::size_t device_extra) {
+LayerId TransferEngine::add_external_layer(const HostBlock& block, std::size_t device_extra, FillHook on_fill) {
   LS_CHECK_ARG(block.data != nullptr && block.bytes > 0, "add_external_layer: empty host block");
   const std::size_t offset = scratch_offset(block.bytes, device_extra, options_.arena.alignment);
   LS_CHECK_ARG(offset + device_extra <= ring_.capacity(), "a layer of ", block.bytes, " bytes",
                device_extra != 0 ? detail::concat(" (and ", device_extra, " bytes of scratch)") : std::string(),
                " does not fit the device ring of ", ring_.capacity(),
                " bytes; raise ring_bytes to at least the largest layer");
+  LS_CHECK_ARG(!on_fill || device_extra != 0, "add_external_layer: a fill hook derives scratch; ask for some");
   std::lock_guard<std::mutex> lock(mu_);
-  return add_locked(block, false, device_extra);
+  return add_locked(block, false, device_extra, std::move(on_fill));
 }
 
-LayerId TransferEngine::add_locked(const HostBlock& block, bool owned, std::size_t extra) {
+LayerId TransferEngine::add_locked(const HostBlock& block, bool owned, std::size_t extra, FillHook on_fill) {
   const LayerId id = next_layer_++;
   Layer& layer = layers_[id];
   layer.block = block;
@@ -110,6 +111,7 @@ LayerId TransferEngine::add_locked(const HostBlock& block, bool owned, std::size
   layer.owned = owned;
   layer.extra = extra;
   layer.extra_offset = scratch_offset(block.bytes, extra, options_.arena.alignment);
+  layer.on_fill = std::move(on_fill);
   return id;
 }
 
@@ -333,7 +335,9 @@ void TransferEngine::settle_eviction_locked(Eviction& eviction) {
 }
 
 void TransferEngine::copy_layer_locked(Layer& layer) {
-  copy_in_locked(layer, ring_.info(layer.region).data);
+  char* region = static_cast<char*>(ring_.info(layer.region).data);
+  copy_in_locked(layer, region);
+  if (layer.on_fill) layer.on_fill(region, region + layer.extra_offset, h2d_.get());
   layer.fill = next_fill();
   layer.copied.record(h2d_.get());
   ++stats_.copies_h2d;

@@ -559,6 +559,7 @@ StateStats DeviceState::stats() {
   s.dequant_into_scratch = dequant_counts_[static_cast<int>(DequantUse::kIntoScratch)];
   s.dequant_reused = dequant_counts_[static_cast<int>(DequantUse::kReused)];
   s.dequant_own_memory = dequant_counts_[static_cast<int>(DequantUse::kOwnMemory)];
+  s.dequant_on_copy = dequant_counts_[static_cast<int>(DequantUse::kOnCopy)];
   s.predictor = predictor_.stats();
   s.vram_budget_planned = budget_planned_;
   s.vram_budget_room = budget_room_;

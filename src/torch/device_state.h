@@ -78,16 +78,18 @@ struct VramBudget {
   static VramBudget parse(const char* text);  // throws InvalidArgument with the accepted forms
 };
 
-// How a quantized layer's weight was dequantized for one use: into its ring region's scratch, found there
-// from an earlier use of the same copy, or into memory of its own (torch's allocator: resident layers,
-// layouts the core does not take, a second stream).
-enum class DequantUse { kIntoScratch, kReused, kOwnMemory };
+// How a quantized or packed layer's weight was rebuilt for one use: into its ring region's scratch, found
+// there from an earlier use of the same copy, into memory of its own (torch's allocator: resident layers,
+// layouts the core does not take, a second stream), or found in the scratch the copy stream decoded into
+// after the copy (losslessly packed weights).
+enum class DequantUse { kIntoScratch, kReused, kOwnMemory, kOnCopy };
 
 struct StateStats {
   EngineStats engine;
   std::uint64_t dequant_into_scratch = 0;
   std::uint64_t dequant_reused = 0;
   std::uint64_t dequant_own_memory = 0;
+  std::uint64_t dequant_on_copy = 0;
   PredictorStats predictor;
   std::uint64_t engines_built = 0;
   std::uint64_t sim_races = 0;  // sim mode: unordered accesses the race checker found
@@ -175,7 +177,7 @@ class DeviceState {
   std::unique_ptr<TransferEngine> engine_;
   std::uint64_t generation_ = 0;
   std::uint64_t engines_built_ = 0;
-  std::array<std::atomic<std::uint64_t>, 3> dequant_counts_{};  // by DequantUse
+  std::array<std::atomic<std::uint64_t>, 4> dequant_counts_{};  // by DequantUse
   EngineStats retired_;  // counters of engines replaced by a larger one
   bool prefetch_ = true;
   // How many predicted layers a call may copy ahead (and at most a third of the ring's bytes);

@@ -516,10 +516,12 @@ py::dict stats_dict(const StateStats& s) {
   d["predicted_correctly"] = s.predictor.correct;
   d["sim_races"] = s.sim_races;
   // Quantized layers: dequantized into the ring region's scratch, found there again, or into memory of
-  // their own (resident layers, layouts the kernel does not take).
+  // their own (resident layers, layouts the kernel does not take); losslessly packed layers: found
+  // decoded in the scratch by the copy stream.
   d["dequant_into_scratch"] = s.dequant_into_scratch;
   d["dequant_reused"] = s.dequant_reused;
   d["dequant_own_memory"] = s.dequant_own_memory;
+  d["dequant_on_copy"] = s.dequant_on_copy;
   d["resident_hits"] = s.engine.resident_hits;
   d["resident_layers"] = s.engine.resident_layers;
   d["resident_bytes"] = s.engine.resident_bytes;

@@ -623,6 +623,11 @@ at::Tensor StreamedLayer::dequantize_in_scratch(const at::Tensor& codes, const a
   LS_CHECK(lease.extra_bytes >= bytes, "internal: scratch of ", lease.extra_bytes, " bytes for a weight of ", bytes);
   at::Tensor out = at::from_blob(lease.extra, sizes, at::TensorOptions().dtype(quant_->result).device(where));
   const bool on_host = where.is_cpu();
+  if (quant_->lossless) {  // decoded by the copy stream before the copy's ready event (fill_hook_locked)
+    if (on_host) state_->backend().annotate_host_access(lease.extra, bytes, false);
+    state_->note_dequant(DequantUse::kOnCopy);
+    return out;
+  }
   std::lock_guard<std::mutex> lock(scratch_mu_);
   if (lease.fill == scratch_fill_ && consumer.raw == scratch_stream_) {  // this copy, dequantized on this stream
     if (on_host) state_->backend().annotate_host_access(lease.extra, bytes, false);
@@ -635,14 +640,10 @@ at::Tensor StreamedLayer::dequantize_in_scratch(const at::Tensor& codes, const a
   }
   // A new copy: its H2D copy waited for every earlier reader of this memory, and the consumer waited for
   // the copy, so the write below is ordered after all of them.
+  const std::optional<DequantSpec> spec = core_dequant_spec(codes, scale, quant_->math, quant_->result);
+  LS_CHECK(spec.has_value(), "internal: scratch was asked for a weight the core cannot dequantize");
   if (on_host) state_->backend().annotate_host_access(lease.extra, bytes, true);
-  if (quant_->lossless) {
-    run_lossless_decode(*quant_->lossless, codes, out);
-  } else {
-    const std::optional<DequantSpec> spec = core_dequant_spec(codes, scale, quant_->math, quant_->result);
-    LS_CHECK(spec.has_value(), "internal: scratch was asked for a weight the core cannot dequantize");
-    run_core_dequant(*spec, codes, scale, out);
-  }
+  run_core_dequant(*spec, codes, scale, out);
   scratch_fill_ = lease.fill;
   scratch_stream_ = consumer.raw;
   state_->note_dequant(DequantUse::kIntoScratch);
@@ -677,11 +678,37 @@ TransferEngine& StreamedLayer::registered_engine() {
   std::lock_guard<std::mutex> lock(mu_);
   TransferEngine& engine = state_->engine_for(device_bytes(block_->block().bytes, scratch_));
   if (id_ == 0 || generation_ != state_->generation()) {
-    id_ = engine.add_external_layer(block_->block(), scratch_);
+    id_ = engine.add_external_layer(block_->block(), scratch_, fill_hook_locked());
     generation_ = state_->generation();
     state_->consider_residency(engine, id_, block_->block().bytes);
   }
   return engine;
+}
+
+TransferEngine::FillHook StreamedLayer::fill_hook_locked() const {
+  // Packed weights are decoded on the copy stream right after their copy, where the bus (not the compute
+  // stream) waits for it; the consumer then finds them decoded (dequantize_in_scratch).
+  if (!quant_ || !quant_->lossless || scratch_ == 0) return {};
+  const LosslessSpec spec = *quant_->lossless;
+  if (state_->mode() == Mode::kSim) {
+    Backend* backend = &state_->backend();  // outlives the engines built on it
+    return [spec, backend](void* region, void* scratch, StreamHandle h2d) {
+      backend->annotate_stream_access(h2d, region, spec.bytes(), false);
+      backend->annotate_stream_access(h2d, scratch, spec.count * sizeof(std::uint16_t), true);
+      backend->launch_host_func(h2d, [spec, region, scratch] {
+        lossless_decode_host(spec, region, static_cast<std::uint16_t*>(scratch));
+      });
+    };
+  }
+#if defined(LAYERSTREAM_WITH_CUDA) && defined(LAYERSTREAM_TORCH_CUDA)
+  const c10::DeviceIndex device = state_->device().index();
+  return [spec, device](void* region, void* scratch, StreamHandle h2d) {
+    const c10::cuda::CUDAGuard guard(device);
+    lossless_decode_cuda(spec, region, scratch, h2d.raw);
+  };
+#else
+  return {};
+#endif
 }
 
 template <typename Fn>

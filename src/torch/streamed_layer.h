@@ -157,6 +157,9 @@ class StreamedLayer : public torch::CustomClassHolder {
   // Scratch to ask of the engine for this layer: its dequantized weight, where the core dequantizes it
   // (a quantized layer on the simulator or on CUDA), else 0. Caller holds mu_; install() keeps it in scratch_.
   std::size_t scratch_bytes_locked() const;
+  // For a losslessly packed layer: the engine's hook that decodes each ring copy into its scratch on the
+  // copy stream (none for other layers).
+  TransferEngine::FillHook fill_hook_locked() const;
   // Whether this process device can decode losslessly packed weights (says once when it cannot).
   bool lossless_decoder_here() const;
   // The shape of the weight whose stored form is `codes` (codes' own, or the packed weight's).

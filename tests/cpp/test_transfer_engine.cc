@@ -278,6 +278,63 @@ TEST_P(TransferEngineTest, ScratchFollowsTheLayerAndFillNamesTheCopy) {
   if (sim() != nullptr) EXPECT_EQ(sim()->violation_count(), 0u);
 }
 
+// A fill hook derives the scratch on the H2D stream after every copy into a ring region, before the copy's
+// ready event: a consumer that waits for the lease sees it. A reuse of the region does not call it again;
+// a new copy does; a resident copy (no scratch) never does.
+TEST_P(TransferEngineTest, FillHookDerivesTheScratchBeforeTheLeaseIsReady) {
+  TransferEngine engine(backend(), small_options(1 << 16));
+  PinnedArena host(backend());
+  auto external = [&](std::size_t bytes, unsigned seed) {
+    HostBlock b = host.allocate(bytes);
+    auto* p = static_cast<unsigned char*>(b.data);
+    for (std::size_t i = 0; i < bytes; ++i) p[i] = static_cast<unsigned char>(i * 5u + seed);
+    return b;
+  };
+  PinnedBuffer derived(backend(), 3000, PinMethod::kHostAlloc);
+  std::memset(derived.data(), 0x3C, 3000);
+  int calls = 0;
+  void* last_region = nullptr;
+  void* last_scratch = nullptr;
+  const LayerId a = engine.add_external_layer(external(1000, 1), 3000, [&](void* region, void* scratch, StreamHandle h2d) {
+    ++calls;
+    last_region = region;
+    last_scratch = scratch;
+    backend().memcpy_h2d_async(scratch, derived.data(), 3000, h2d);
+  });
+  const LayerId c = engine.add_external_layer(external(62000, 2));
+  const std::vector<unsigned char> expected(3000, 0x3C);
+
+  Lease first = engine.fetch(a);
+  engine.wait_ready(first, compute_.get());
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(last_region, first.data);
+  EXPECT_EQ(last_scratch, first.extra);
+  EXPECT_EQ(read_back(first.extra, 3000, compute_.get()), expected);
+  engine.release(first, compute_.get());
+
+  Lease again = engine.fetch(a);  // reused: nothing derived again
+  engine.wait_ready(again, compute_.get());
+  EXPECT_FALSE(again.copied);
+  EXPECT_EQ(calls, 1);
+  engine.release(again, compute_.get());
+
+  use(engine, c);  // a's region goes
+  Lease later;
+  use(engine, a, &later);
+  EXPECT_TRUE(later.copied);
+  EXPECT_EQ(calls, 2);
+  EXPECT_EQ(last_scratch, later.extra);
+
+  ASSERT_TRUE(engine.make_resident(a));
+  Lease resident;
+  use(engine, a, &resident);
+  EXPECT_EQ(resident.extra, nullptr);
+  EXPECT_EQ(calls, 2);
+
+  // A hook derives scratch: a layer with none cannot have one.
+  EXPECT_THROW(engine.add_external_layer(external(100, 3), 0, [](void*, void*, StreamHandle) {}), InvalidArgument);
+}
+
 LS_INSTANTIATE_ON_BACKENDS(TransferEngineTest);
 
 TEST(TransferEngineSim, ResidencyThatDoesNotFitIsRefusedAndNothingChanges) {
