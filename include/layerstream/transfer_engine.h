@@ -24,8 +24,8 @@
 // dequantizes from the codes). The scratch lives as long as the region: Lease::fill names the copy that
 // filled the region, so a reader that finds the fill it derived from may use what it wrote there, on the
 // stream that wrote it. Or the engine derives it: a layer's fill hook (add_external_layer) enqueues the
-// derivation on the H2D stream after each copy, before the copy's ready event. Resident copies have no
-// scratch.
+// derivation on a stream of the engine's after each copy, before the copy's ready event. Resident copies
+// have no scratch.
 //
 // Downloads: download() enqueues a D2H copy ordered after the producer stream's work so far and returns
 // a ticket; the device source and host destination must stay alive and untouched until wait_download()
@@ -135,12 +135,13 @@ class TransferEngine {
   // Registers a layer whose host bytes the caller owns (e.g. an arena block shared with tensors that view
   // it). The caller keeps them alive and unchanged until remove_layer() or begin_host_write() returns.
   // `device_extra`: bytes of scratch after the layer's bytes in its ring region (see "Derived data").
-  // `on_fill`: called after each copy into a ring region, with the region, its scratch and the H2D stream,
-  // to enqueue on that stream the work that derives the scratch from the bytes (a decode kernel). It is
-  // enqueued before the copy's ready event, so a lease's consumer that waits for the copy sees the
-  // scratch derived. Resident copies have no scratch and never call it. It runs under the engine's lock:
-  // it may enqueue work (launches, Backend::launch_host_func) but must not wait or call the engine.
-  using FillHook = std::function<void(void* region, void* scratch, StreamHandle h2d)>;
+  // `on_fill`: called after each copy into a ring region, with the region, its scratch and the engine's
+  // derive stream, to enqueue on that stream the work that derives the scratch from the bytes (a decode
+  // kernel). That stream waits for the copy first; the copy's ready event follows the derivation, so a
+  // lease's consumer that waits for the copy sees the scratch derived, while the next copy on H2D need not
+  // wait for it. Resident copies have no scratch and never call it. It runs under the engine's lock: it
+  // may enqueue work (launches, Backend::launch_host_func) but must not wait or call the engine.
+  using FillHook = std::function<void(void* region, void* scratch, StreamHandle stream)>;
   LayerId add_external_layer(const HostBlock& block, std::size_t device_extra = 0, FillHook on_fill = {});
   // Bytes a layer takes in the ring: its packed bytes, plus its scratch at the ring's alignment.
   std::size_t device_bytes(LayerId layer) const;
@@ -191,6 +192,8 @@ class TransferEngine {
     std::size_t extra = 0;           // scratch bytes after the block in a ring region
     std::size_t extra_offset = 0;    // where the scratch starts in the region (block bytes, aligned)
     FillHook on_fill;                // derives the scratch after each ring copy (add_external_layer)
+    Event landed;                    // with on_fill: recorded on H2D after each ring copy, before derive_
+                                     // waits for it (copied is then recorded on derive_)
     std::uint64_t fill = 0;          // the copy that filled the ring region (Lease::fill)
     std::uint64_t resident_fill = 0;
     bool prefetched_unused = false;
@@ -222,6 +225,7 @@ class TransferEngine {
   EngineOptions options_;
   Stream h2d_;
   Stream d2h_;
+  Stream derive_;  // fill hooks' work: after a ring copy lands, beside the next copy
   PinnedArena arena_;
   DeviceRing ring_;
   EventPool events_;

@@ -40,6 +40,7 @@ TransferEngine::TransferEngine(Backend& backend, EngineOptions options)
       options_(options),
       h2d_(backend),
       d2h_(backend),
+      derive_(backend),
       arena_(backend, options.arena),
       // h2d_ is built first (declared first): the ring's memory is written on it.
       ring_(backend, options.ring_bytes, options.arena.alignment, options.ring_allocator, h2d_.get(),
@@ -54,6 +55,7 @@ TransferEngine::~TransferEngine() {
   try {
     backend_.stream_synchronize(h2d_.get());
     backend_.stream_synchronize(d2h_.get());
+    backend_.stream_synchronize(derive_.get());
     ring_.synchronize_releases();  // readers on other streams, when the slab goes back to an allocator
     for (auto& [id, layer] : layers_) {
       layer.resident_released.synchronize();
@@ -112,6 +114,7 @@ LayerId TransferEngine::add_locked(const HostBlock& block, bool owned, std::size
   layer.extra = extra;
   layer.extra_offset = scratch_offset(block.bytes, extra, options_.arena.alignment);
   layer.on_fill = std::move(on_fill);
+  if (layer.on_fill) layer.landed = events_.take();
   return id;
 }
 
@@ -125,8 +128,10 @@ void TransferEngine::discard_region_locked(Layer& layer) {
   if (ring_.live(layer.region)) {
     Eviction eviction;
     ring_.discard(layer.region, eviction);
-    // Every later ring write is on H2D: waiting here orders them all after the region's last readers.
+    // Every later ring write is on H2D: waiting here orders them all after the region's last readers,
+    // and after the derivation that may still write its scratch.
     for (Event& e : eviction.wait_events) backend_.stream_wait_event(h2d_.get(), e.get());
+    if (layer.on_fill) backend_.stream_wait_event(h2d_.get(), layer.copied.get());
     ring_.recycle(eviction.wait_events);
   }
   layer.region = 0;
@@ -145,6 +150,7 @@ void TransferEngine::remove_layer(LayerId id) {
     backend_.annotate_host_access(layer.block.data, layer.block.bytes, true);
     if (layer.owned) data = layer.block.data;
     events_.give(std::move(layer.copied));
+    if (layer.landed) events_.give(std::move(layer.landed));
     layers_.erase(id);
   }
   if (data != nullptr) arena_.free(data);
@@ -326,6 +332,9 @@ void TransferEngine::settle_eviction_locked(Eviction& eviction) {
     auto it = layers_.find(owner);
     if (it == layers_.end()) continue;
     it->second.region = 0;
+    // A derivation (fill hook) may still read the region and write its scratch, with no reader yet to
+    // wait for (a prefetch never used): the next write waits for it.
+    if (it->second.on_fill) backend_.stream_wait_event(h2d_.get(), it->second.copied.get());
     if (it->second.prefetched_unused) ++stats_.prefetch_wasted;
     it->second.prefetched_unused = false;
   }
@@ -337,9 +346,16 @@ void TransferEngine::settle_eviction_locked(Eviction& eviction) {
 void TransferEngine::copy_layer_locked(Layer& layer) {
   char* region = static_cast<char*>(ring_.info(layer.region).data);
   copy_in_locked(layer, region);
-  if (layer.on_fill) layer.on_fill(region, region + layer.extra_offset, h2d_.get());
   layer.fill = next_fill();
-  layer.copied.record(h2d_.get());
+  if (layer.on_fill) {
+    // The derivation on its own stream: H2D goes on to the next copy while it runs.
+    layer.landed.record(h2d_.get());
+    backend_.stream_wait_event(derive_.get(), layer.landed.get());
+    layer.on_fill(region, region + layer.extra_offset, derive_.get());
+    layer.copied.record(derive_.get());
+  } else {
+    layer.copied.record(h2d_.get());
+  }
   ++stats_.copies_h2d;
   stats_.bytes_h2d += layer.block.bytes;
 }

@@ -1,6 +1,6 @@
 // Randomized schedules under fault injection: thousands of seeded workloads drive the TransferEngine
-// through the reader protocol (with prefetches ahead of need and resident layers mixed in) on the
-// simulator, with random delays and scrambled copies. Every byte a
+// through the reader protocol (with prefetches ahead of need, resident layers and layers whose scratch a
+// fill hook derives mixed in) on the simulator, with random delays and scrambled copies. Every byte a
 // reader sees is compared with the host bytes at fetch time, and the happens-before checker must find no
 // race. The broken-protocol tests run the same workloads with a deliberate ordering bug and require the
 // checker to catch it, so a green run means something.
@@ -11,6 +11,7 @@
 #include <random>
 
 #include "layerstream/check.h"
+#include "layerstream/pinned_arena.h"
 #include "layerstream/sim_backend.h"
 #include "layerstream/transfer_engine.h"
 
@@ -67,6 +68,7 @@ Outcome run_schedule(std::uint64_t seed, Protocol protocol) {
     LayerId id;
     std::size_t bytes;
     std::uint64_t version;
+    bool derived;  // registered with scratch of its own size and a fill hook that derives it
   };
   std::vector<Layer> layers;
   const std::size_t layer_count = pick(2, 10);
@@ -77,11 +79,14 @@ Outcome run_schedule(std::uint64_t seed, Protocol protocol) {
   const std::size_t largest = *std::max_element(sizes.begin(), sizes.end());
   std::size_t total = 0;
   for (std::size_t s : sizes) total += (s + 255) / 256 * 256;
+  // A derived layer takes its bytes and as much scratch: its region up to twice the largest plain one.
+  const bool with_derived = pick(0, 1) == 0;
+  const std::size_t largest_region = (with_derived ? 2 : 1) * ((largest + 255) / 256 * 256);
 
   EngineOptions options;
   // Two layers are held at once at most; 3x the largest layer guarantees room for the second whatever
   // the offset of the first. Sometimes there is room for every layer.
-  options.ring_bytes = 3 * ((largest + 255) / 256 * 256) + 256 * pick(0, total / 256);
+  options.ring_bytes = 3 * largest_region + 256 * pick(0, total / 256);
   options.arena.chunk_bytes = 4096;
   options.bounce_bytes = 4096;
   options.bounce_buffers = static_cast<int>(pick(1, 3));
@@ -95,10 +100,27 @@ Outcome run_schedule(std::uint64_t seed, Protocol protocol) {
       SimBackend& sim;
       ~DrainOnExit() { sim.synchronize_all(); }
     } drain{sim};
+    PinnedArena outside(sim);  // the derived layers' host blocks, which the engine does not own
     TransferEngine engine(sim, options);
     std::uint64_t next_layer_tag = 0;
+    // The derivation: each scratch byte is its region byte XOR 0x5A, on the stream the engine gives.
+    auto hook = [&sim](std::size_t bytes) {
+      return [&sim, bytes](void* region, void* scratch, StreamHandle stream) {
+        sim.annotate_stream_access(stream, region, bytes, false);
+        sim.annotate_stream_access(stream, scratch, bytes, true);
+        sim.launch_host_func(stream, [region, scratch, bytes] {
+          for (std::size_t i = 0; i < bytes; ++i) {
+            static_cast<unsigned char*>(scratch)[i] = static_cast<unsigned char>(
+                static_cast<const unsigned char*>(region)[i] ^ 0x5A);
+          }
+        });
+      };
+    };
     auto add = [&](std::size_t bytes) {
-      Layer l{engine.add_layer(bytes), bytes, next_layer_tag++ * 1000};
+      const bool derived = with_derived && pick(0, 1) == 0;
+      const LayerId id = derived ? engine.add_external_layer(outside.allocate(bytes), bytes, hook(bytes))
+                                 : engine.add_layer(bytes);
+      Layer l{id, bytes, next_layer_tag++ * 1000, derived};
       auto data = content(bytes, l.id, l.version);
       std::memcpy(engine.host_block(l.id).data, data.data(), bytes);
       layers.push_back(l);
@@ -111,6 +133,12 @@ Outcome run_schedule(std::uint64_t seed, Protocol protocol) {
       seen.emplace_back(lease.bytes);
       expected.push_back(content(layer.bytes, layer.id, layer.version));
       sim.memcpy_d2h_async(seen.back().data(), engine.device_data(lease), lease.bytes, consumer);
+      if (layer.derived && lease.extra != nullptr) {  // a ring copy: its scratch is derived (resident: none)
+        seen.emplace_back(layer.bytes);
+        expected.push_back(content(layer.bytes, layer.id, layer.version));
+        for (auto& b : expected.back()) b ^= 0x5A;
+        sim.memcpy_d2h_async(seen.back().data(), lease.extra, layer.bytes, consumer);
+      }
     };
     auto release = [&](const Lease& lease, StreamHandle consumer) {
       engine.release(lease, protocol == Protocol::kReleaseOnWrongStream ? liar.get() : consumer);
@@ -151,7 +179,9 @@ Outcome run_schedule(std::uint64_t seed, Protocol protocol) {
         std::memcpy(engine.host_block(layer.id).data, data.data(), layer.bytes);
       } else {
         const std::size_t i = pick(0, layers.size() - 1);
+        void* outside_block = layers[i].derived ? engine.host_block(layers[i].id).data : nullptr;
         engine.remove_layer(layers[i].id);
+        if (outside_block != nullptr) outside.free(outside_block);
         layers.erase(layers.begin() + static_cast<std::ptrdiff_t>(i));
         add(pick(1, largest));
       }
