@@ -185,11 +185,12 @@ if want san; then
     local tool=$1 k=$2
     ( cd /tmp && LAYERSTREAM_TEST_DEADLINE_S=0 timeout "${LAYERSTREAM_SANITIZER_S:-480}" compute-sanitizer \
         --tool "$tool" --error-exitcode 1 --target-processes all python3 -m pytest -q -x -p no:cacheprovider \
-        -k "$k" "$OLDPWD/tests/python/test_manager_contract.py" "$OLDPWD/tests/python/test_quantized.py" ) \
+        -k "$k" "$OLDPWD/tests/python/test_manager_contract.py" "$OLDPWD/tests/python/test_quantized.py" \
+        "$OLDPWD/tests/python/test_lossless.py" ) \
       >"$OUT/pytest_$tool.log" 2>&1
     echo $? >"$OUT/pytest_$tool.rc"
   }
-  EQUALITY="cuda and (bitwise or accumulate)"
+  EQUALITY="cuda and (bitwise or accumulate or lossless)"
   san memcheck "$EQUALITY" &
   san synccheck "$EQUALITY" &
   san racecheck "cuda and bitwise and dtype1" &
