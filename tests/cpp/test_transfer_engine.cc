@@ -19,6 +19,13 @@ class TransferEngineTest : public BackendTest {
     compute_ = Stream(backend());
   }
 
+  // A block of `host`'s, filled with a pattern of `seed`, for add_external_layer.
+  static HostBlock filled_block(PinnedArena& host, std::size_t bytes, unsigned seed) {
+    HostBlock b = host.allocate(bytes);
+    auto* p = static_cast<unsigned char*>(b.data);
+    for (std::size_t i = 0; i < bytes; ++i) p[i] = static_cast<unsigned char>(i * 7u + seed);
+    return b;
+  }
   static void fill(TransferEngine& engine, LayerId id, unsigned seed) {
     HostBlock b = engine.host_block(id);
     auto* p = static_cast<unsigned char*>(b.data);
@@ -216,12 +223,7 @@ TEST_P(TransferEngineTest, ResidentLayerIsCopiedOnceAndStaysFresh) {
 TEST_P(TransferEngineTest, ScratchFollowsTheLayerAndFillNamesTheCopy) {
   TransferEngine engine(backend(), small_options(1 << 16));
   PinnedArena host(backend());
-  auto external = [&](std::size_t bytes, unsigned seed) {
-    HostBlock b = host.allocate(bytes);
-    auto* p = static_cast<unsigned char*>(b.data);
-    for (std::size_t i = 0; i < bytes; ++i) p[i] = static_cast<unsigned char>(i * 7u + seed);
-    return b;
-  };
+  auto external = [&](std::size_t bytes, unsigned seed) { return filled_block(host, bytes, seed); };
   const HostBlock block_a = external(1000, 1);
   const LayerId a = engine.add_external_layer(block_a, 3000);
   const LayerId b = engine.add_external_layer(external(31000, 2));
@@ -284,12 +286,7 @@ TEST_P(TransferEngineTest, ScratchFollowsTheLayerAndFillNamesTheCopy) {
 TEST_P(TransferEngineTest, FillHookDerivesTheScratchBeforeTheLeaseIsReady) {
   TransferEngine engine(backend(), small_options(1 << 16));
   PinnedArena host(backend());
-  auto external = [&](std::size_t bytes, unsigned seed) {
-    HostBlock b = host.allocate(bytes);
-    auto* p = static_cast<unsigned char*>(b.data);
-    for (std::size_t i = 0; i < bytes; ++i) p[i] = static_cast<unsigned char>(i * 5u + seed);
-    return b;
-  };
+  auto external = [&](std::size_t bytes, unsigned seed) { return filled_block(host, bytes, seed); };
   PinnedBuffer derived(backend(), 3000, PinMethod::kHostAlloc);
   std::memset(derived.data(), 0x3C, 3000);
   int calls = 0;

@@ -13,6 +13,7 @@ import torch
 from conftest import clear_device_states
 from contract_driver import ContractManager
 from layerstream import manager_modules as mm
+from linear_checks import check_forward, check_forward_backward, start_fuzz
 from models import TinyTransformer, apply_lora
 
 
@@ -197,18 +198,7 @@ def test_fuzz_lossless_layers_under_delays_and_scrambled_copies(engine, device, 
     forward+backward (trainable biases), replaced weights and in-place changes: every output and gradient
     equals the same math with the exact weights, and the race checker sees nothing (the decode on the copy
     stream included)."""
-    import random
-
-    import torch.nn.functional as F
-
-    if engine != "sim":
-        pytest.skip("the fault injector is the simulator's")
-    monkeypatch.setenv("LAYERSTREAM_SIM_FAULTS", "5")
-    monkeypatch.setenv("LAYERSTREAM_RING_MB", "1")
-    monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "lossless")
-    clear_device_states()
-    rng = random.Random(13)
-    torch.manual_seed(13)
+    rng = start_fuzz(engine, monkeypatch, "lossless", seed=13, faults="5")
     pool = []
     for _ in range(12):
         layer = torch.nn.Linear(16 * rng.randint(1, 12), 16 * rng.randint(1, 12)).to(torch.bfloat16)
@@ -221,21 +211,9 @@ def test_fuzz_lossless_layers_under_delays_and_scrambled_copies(engine, device, 
         x = torch.randn(rng.randint(1, 4), layer.in_features, dtype=torch.bfloat16)
         action = rng.choice(["forward", "backward", "backward", "replace", "inplace"])
         if action == "forward":
-            with torch.no_grad():
-                assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)), f"op {op}"
+            check_forward(layer, x, layer.weight, f"op {op}")
         elif action == "backward":
-            ref_b = layer.bias.detach().clone().requires_grad_(layer.bias.requires_grad)
-            xr, xm = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-            out_r = F.linear(xr, layer.weight.detach(), ref_b)
-            layer.bias.grad = None
-            out_m = layer(xm)
-            assert torch.equal(out_m, out_r), f"op {op}"
-            out_r.float().square().sum().backward()
-            out_m.float().square().sum().backward()
-            mm.sync_grad_transfers()
-            assert torch.equal(xm.grad, xr.grad), f"op {op}"
-            if ref_b.requires_grad:
-                assert torch.equal(layer.bias.grad, ref_b.grad), f"op {op}"
+            check_forward_backward(layer, x, layer.weight.detach(), f"op {op}")
         elif action == "replace":
             layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight) * 0.1, requires_grad=False)
         else:

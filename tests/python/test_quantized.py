@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from conftest import clear_device_states
 from layerstream import manager_modules as mm
+from linear_checks import check_forward, check_forward_backward, start_fuzz
 
 quanto = pytest.importorskip("optimum.quanto", reason="optimum-quanto is not installed")
 
@@ -268,16 +269,7 @@ def test_fuzz_quantized_and_compressed_layers_under_delays_and_scrambled_copies(
     simulator delaying every stream and landing copies in random pieces, and a random interleaving of
     forward-only calls, forward+backward (trainable biases), replaced weights and in-place changes: every
     output and gradient equals the same math on the host copy, and the race checker sees nothing."""
-    import random
-
-    if engine != "sim":
-        pytest.skip("the fault injector is the simulator's")
-    monkeypatch.setenv("LAYERSTREAM_SIM_FAULTS", "7")
-    monkeypatch.setenv("LAYERSTREAM_RING_MB", "1")
-    monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "float8_e4m3fn")
-    clear_device_states()
-    rng = random.Random(11)
-    torch.manual_seed(11)
+    rng = start_fuzz(engine, monkeypatch, "float8_e4m3fn", seed=11, faults="7")
 
     def new_quanto(fin, fout, dtype):
         model = torch.nn.Sequential(torch.nn.Linear(fin, fout)).to(dtype)
@@ -305,21 +297,9 @@ def test_fuzz_quantized_and_compressed_layers_under_delays_and_scrambled_copies(
         x = torch.randn(rng.randint(1, 4), layer.in_features, dtype=dtype)
         action = rng.choice(["forward", "backward", "backward", "replace", "inplace"])
         if action == "forward":
-            with torch.no_grad():
-                assert torch.equal(layer(x), F.linear(x, weight_of(layer, quantized), layer.bias)), f"op {op}"
+            check_forward(layer, x, weight_of(layer, quantized), f"op {op}")
         elif action == "backward":
-            ref_b = layer.bias.detach().clone().requires_grad_(layer.bias.requires_grad)
-            xr, xm = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-            out_r = F.linear(xr, weight_of(layer, quantized), ref_b)
-            layer.bias.grad = None
-            out_m = layer(xm)
-            assert torch.equal(out_m, out_r), f"op {op}"
-            out_r.float().square().sum().backward()
-            out_m.float().square().sum().backward()
-            mm.sync_grad_transfers()
-            assert torch.equal(xm.grad, xr.grad), f"op {op}"
-            if ref_b.requires_grad:
-                assert torch.equal(layer.bias.grad, ref_b.grad), f"op {op}"
+            check_forward_backward(layer, x, weight_of(layer, quantized), f"op {op}")
         elif action == "replace":
             if quantized:
                 layer.weight = new_quanto(layer.in_features, layer.out_features, dtype).weight
