@@ -99,20 +99,28 @@ void lossless_encode(const LosslessSpec& spec, const std::uint16_t* values, void
   auto* base = static_cast<std::uint8_t*>(out);
   std::uint8_t* low = base;
   std::uint8_t* codes = base + spec.codes_offset();
-  std::memset(base, 0, spec.exceptions_offset());  // the padding between sections
+  // Only the padding between sections is zeroed here; the pieces write every other byte once (a piece
+  // starts at an even value, so each code byte is written whole by one thread).
+  std::memset(low + spec.count, 0, spec.codes_offset() - spec.count);
+  const std::size_t code_bytes = (spec.count + 1) / 2;
+  std::memset(codes + code_bytes, 0, spec.exceptions_offset() - spec.codes_offset() - code_bytes);
   const std::size_t cores = std::max<std::size_t>(1, std::thread::hardware_concurrency());
   std::vector<std::vector<std::uint32_t>> found(cores);
   const std::size_t pieces = in_pieces(spec.count, [&](std::size_t p, std::size_t begin, std::size_t end) {
     std::vector<std::uint32_t>& mine = found[p];
-    for (std::size_t i = begin; i < end; ++i) {
-      const std::uint16_t v = values[i];
-      low[i] = low_byte_of(v);
-      const std::uint8_t code = code_of[exponent_of(v)];
-      codes[i / 2] |= static_cast<std::uint8_t>(code << (4 * (i % 2)));
-      if (code == LosslessSpec::kException) {
-        mine.push_back(static_cast<std::uint32_t>(i));
-        mine.push_back(exponent_of(v));
+    for (std::size_t i = begin; i < end; i += 2) {
+      std::uint8_t byte = 0;
+      for (std::size_t k = i; k < std::min(i + 2, end); ++k) {
+        const std::uint16_t v = values[k];
+        low[k] = low_byte_of(v);
+        const std::uint8_t code = code_of[exponent_of(v)];
+        byte |= static_cast<std::uint8_t>(code << (4 * (k - i)));
+        if (code == LosslessSpec::kException) {
+          mine.push_back(static_cast<std::uint32_t>(k));
+          mine.push_back(exponent_of(v));
+        }
       }
+      codes[i / 2] = byte;
     }
   });
   std::size_t listed = 0;
