@@ -220,6 +220,7 @@ Lease TransferEngine::fetch(LayerId id) {
   if (layer.resident.data() != nullptr) {
     if (layer.resident_stale) {
       wait_resident_readers_on_h2d_locked(layer);
+      wait_derivation_on_h2d_locked(layer);
       copy_in_locked(layer, layer.resident.data());
       layer.copied.record(h2d_.get());
       ++stats_.copies_h2d;
@@ -284,6 +285,7 @@ bool TransferEngine::make_resident(LayerId id) {
   } catch (const Error&) {
     return false;  // out of device memory: the layer keeps streaming
   }
+  wait_derivation_on_h2d_locked(layer);
   copy_in_locked(layer, layer.resident.data());
   layer.copied.record(h2d_.get());
   ++stats_.copies_h2d;
@@ -306,6 +308,13 @@ void TransferEngine::evict_resident(LayerId id) {
 bool TransferEngine::resident(LayerId id) const {
   std::lock_guard<std::mutex> lock(mu_);
   return layer_locked(id).resident.data() != nullptr;
+}
+
+void TransferEngine::wait_derivation_on_h2d_locked(Layer& layer) {
+  // `copied` is about to be recorded on H2D for a resident copy. While it names a derivation on the derive
+  // stream, it is the only event that orders later work after it (region reuse, leases still waiting): H2D
+  // waits for it first, so the new record covers it.
+  if (layer.on_fill) backend_.stream_wait_event(h2d_.get(), layer.copied.get());
 }
 
 void TransferEngine::wait_resident_readers_on_h2d_locked(Layer& layer) {

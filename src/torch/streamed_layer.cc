@@ -326,12 +326,25 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
   const bool decoder = host.lossless && lossless_decoder_here();  // may log: before the lock
   std::lock_guard<std::mutex> lock(mu_);
   const auto wt = weight.scalar_type();
-  const bool frozen = !weight.requires_grad() && weight.numel() > 0;
-  const bool to_float8 =
-      host.float8.has_value() && frozen && (wt == at::kBFloat16 || wt == at::kHalf || wt == at::kFloat);
-  // Other dtypes, and tensors beyond the encoding's 32-bit indices, are stored as they are.
-  const bool to_lossless = host.lossless && frozen && wt == at::kBFloat16 &&
-                           static_cast<std::size_t>(weight.numel()) <= kLosslessMaxCount && decoder;
+  const bool frozen = !weight.requires_grad();
+  // The weights each setting takes, frozen now or not (one frozen later is compressed at its next use).
+  const bool float8_takes =
+      host.float8.has_value() && weight.numel() > 0 && (wt == at::kBFloat16 || wt == at::kHalf || wt == at::kFloat);
+  // Lossless: bfloat16 in the standard layout (the decoded weight is contiguous: another layout would
+  // compute with other kernels than the plain path), within the encoding's 32-bit indices, where a
+  // decoder runs. Others are stored as they are.
+  const bool lossless_takes = host.lossless && weight.numel() > 0 && wt == at::kBFloat16 && weight.is_contiguous() &&
+                              static_cast<std::size_t>(weight.numel()) <= kLosslessMaxCount && decoder;
+  at::Tensor exact;
+  std::optional<LosslessSpec> spec;
+  if (lossless_takes && frozen) {
+    exact = weight.detach().to(at::kCPU).contiguous();
+    spec = lossless_plan(static_cast<const std::uint16_t*>(exact.data_ptr()), static_cast<std::size_t>(exact.numel()));
+    // Exponents spread too widely (8 bytes per exception): no smaller than plain, so stored as it is.
+    if (spec->bytes() >= static_cast<std::size_t>(exact.numel()) * sizeof(std::uint16_t)) spec.reset();
+  }
+  const bool to_lossless = spec.has_value();
+  const bool to_float8 = float8_takes && frozen;
   const bool compress = to_float8 || to_lossless;
   Packed w, b;
   std::optional<QuantParts> q;
@@ -340,17 +353,14 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
   if (to_lossless) {
     // Frozen bfloat16 weight packed exactly (lossless.h); as for float8, the Parameter keeps its values in
     // ordinary (pageable) host memory, outside the arena.
-    const at::Tensor exact = weight.detach().to(at::kCPU).contiguous();
-    const auto* values = static_cast<const std::uint16_t*>(exact.data_ptr());
-    const LosslessSpec spec = lossless_plan(values, static_cast<std::size_t>(exact.numel()));
-    codes = at::empty({static_cast<std::int64_t>(spec.bytes())}, at::TensorOptions().dtype(at::kByte));
-    lossless_encode(spec, values, codes.data_ptr());
+    codes = at::empty({static_cast<std::int64_t>(spec->bytes())}, at::TensorOptions().dtype(at::kByte));
+    lossless_encode(*spec, static_cast<const std::uint16_t*>(exact.data_ptr()), codes.data_ptr());
     w = describe(codes, {1}, at::kByte);
     q.emplace();
     q->math = wt;
     q->result = wt;
     q->compressed = true;
-    q->lossless = spec;
+    q->lossless = *spec;
     q->sizes = weight.sizes().vec();
     parts = {{&w, codes}};
   } else if (to_float8) {
@@ -394,7 +404,9 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
   remember_identity(w, weight);
   if (b.defined) remember_identity(b, bias);
   install(std::move(block), std::move(w), std::move(b), std::move(q));
-  compress_frozen_ = host.any();
+  // Whether a use with the weight frozen should pack it again: not for weights the setting does not take,
+  // nor for one lossless packing would not shrink (each use would pack it again, for nothing).
+  compress_frozen_ = float8_takes || (lossless_takes && (!frozen || to_lossless));
 }
 
 std::array<at::Tensor, 2> StreamedLayer::pack_quantized(const at::Tensor& codes, const at::Tensor& scale,

@@ -190,7 +190,7 @@ class StreamedLayer : public torch::CustomClassHolder {
   std::optional<QuantParts> quant_;
   std::vector<Packed> tensors_;  // pack_tensors(): the layer's own tensors, in order
   std::size_t scratch_ = 0;      // scratch_bytes_locked() of the current block
-  bool compress_frozen_ = false;  // LAYERSTREAM_HOST_DTYPE was set when the layer was last packed
+  bool compress_frozen_ = false;  // LAYERSTREAM_HOST_DTYPE takes this weight (packed again once frozen)
   std::uint64_t generation_ = 0;  // engine generation the layer is registered in
   LayerId id_ = 0;
   // dequantize_in_scratch(): the copy (Lease::fill) whose codes the scratch holds dequantized, and the

@@ -46,6 +46,55 @@ std::vector<unsigned char> content(std::size_t bytes, std::uint64_t layer, std::
   return v;
 }
 
+// A layer whose scratch a fill hook derives, prefetched (its derivation pending, no lease), then made
+// resident, then its former ring room taken by another layer's copy: the resident copy re-records the
+// layer's ready event on H2D, which must still cover the derivation (found in review: the next copy raced
+// with the derive stream's read and write). Also a lease taken before the resident copy and waited on
+// after it must see the scratch derived.
+TEST(Schedules, AResidentCopyStillCoversAPendingDerivation) {
+  for (bool lease_first : {false, true}) {
+    SimOptions sim_options;
+    sim_options.delay_probability = 0.5;
+    sim_options.max_delay_us = 50;
+    SimBackend sim(sim_options);
+    {
+      EngineOptions options;
+      options.ring_bytes = 1 << 16;
+      options.arena.chunk_bytes = 1 << 20;
+      PinnedArena host(sim);
+      TransferEngine engine(sim, options);
+      auto hook = [&sim](void* region, void* scratch, StreamHandle stream) {
+        sim.annotate_stream_access(stream, region, 4000, false);
+        sim.annotate_stream_access(stream, scratch, 8000, true);
+      };
+      HostBlock a_block = host.allocate(4000);
+      HostBlock c_block = host.allocate(60000);
+      std::memset(a_block.data, 1, 4000);
+      std::memset(c_block.data, 2, 60000);
+      const LayerId a = engine.add_external_layer(a_block, 8000, hook);
+      const LayerId c = engine.add_external_layer(c_block);
+      Stream compute(sim);
+      if (lease_first) {
+        Lease l = engine.fetch(a);
+        ASSERT_TRUE(engine.make_resident(a));
+        engine.wait_ready(l, compute.get());
+        sim.annotate_stream_access(compute.get(), l.extra, 8000, false);
+        engine.release(l, compute.get());
+      } else {
+        ASSERT_TRUE(engine.prefetch(a));
+        ASSERT_TRUE(engine.make_resident(a));
+      }
+      Lease l = engine.fetch(c);  // lands where a's region and scratch were
+      engine.wait_ready(l, compute.get());
+      sim.annotate_stream_access(compute.get(), l.data, 60000, false);
+      engine.release(l, compute.get());
+      sim.synchronize_all();
+    }
+    EXPECT_EQ(sim.violation_count(), 0u) << (lease_first ? "lease first: " : "prefetched: ")
+                                         << (sim.violation_count() ? sim.violations().front() : "");
+  }
+}
+
 Outcome run_schedule(std::uint64_t seed, Protocol protocol) {
   std::mt19937_64 rng(seed);
   auto pick = [&](std::uint64_t lo, std::uint64_t hi) { return lo + rng() % (hi - lo + 1); };

@@ -37,12 +37,12 @@ def packed_bytes(w: torch.Tensor) -> int:
 
 
 def _spread(w: torch.Tensor) -> None:
-    """Gives the first two output channels magnitudes over forty octaves (more exponents than the table
-    holds: exceptions), plus zeros of both signs and subnormals."""
+    """Gives twenty values magnitudes over forty octaves (more exponents than the table holds: exceptions),
+    and four more zeros of both signs and subnormals."""
     with torch.no_grad():
-        head = w[:2]
-        head.mul_(torch.exp2(torch.randint(-30, 12, head.shape).float()).to(w.dtype))
-        w.view(-1)[:4] = torch.tensor([0.0, -0.0, 1e-40, -3e-39], dtype=w.dtype)
+        flat = w.view(-1)
+        flat[4:24].mul_(torch.exp2(torch.randint(-30, 12, (20,)).float()).to(w.dtype))
+        flat[:4] = torch.tensor([0.0, -0.0, 1e-40, -3e-39], dtype=w.dtype)
 
 
 @pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv"])
@@ -143,12 +143,36 @@ def test_lossless_training_is_bitwise_the_plain_streamed_run_with_a_quarter_fewe
     assert (state["bytes_h2d"], plain_state["bytes_h2d"]) == (arena, plain_arena)
 
 
-def test_lossless_leaves_other_dtypes_as_they_are_and_an_unknown_setting_names_it(engine, device, monkeypatch):
+def test_lossless_leaves_what_it_does_not_take_as_it_is_packed_once(engine, device, monkeypatch):
+    """float32 weights, bf16 ones in another layout, and bf16 ones whose exponents spread too widely to
+    shrink are stored as they are, and stay so over several frozen uses (the block is packed once: the
+    same host bytes, copied once into a ring that holds them all)."""
     monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "lossless")
     clear_device_states()
-    layer = torch.nn.Linear(16, 8).requires_grad_(False)  # float32: stored as it is
-    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
-    assert layer._layer_memory_manager.stored_as == "Float"
+    torch.manual_seed(2)
+    fp32 = torch.nn.Linear(16, 8)
+    transposed = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    transposed.weight = torch.nn.Parameter(transposed.weight.detach().t().contiguous().t())
+    spread = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    with torch.no_grad():  # every value its own exponent: most are exceptions of 8 bytes
+        spread.weight.copy_(torch.exp2(torch.randint(-100, 100, spread.weight.shape).float()).to(torch.bfloat16))
+    assert packed_bytes(spread.weight) >= spread.weight.numel() * 2
+    for layer in (fp32, transposed, spread):
+        layer.requires_grad_(False)
+        mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+        lmm = layer._layer_memory_manager
+        x = torch.randn(2, layer.in_features, dtype=layer.weight.dtype, device=device)
+        host_view = layer.weight.data_ptr()
+        for _ in range(3):
+            with torch.no_grad():
+                assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight.to(device), layer.bias.to(device)))
+        assert lmm.stored_as == ("Float" if layer is fp32 else "BFloat16")
+        assert layer.weight.data_ptr() == host_view  # not packed again at each use
+    if engine != "cpu":
+        assert mm._DEVICE_STATE[torch.device(device)].stats()["copies_h2d"] == 3
+
+
+def test_an_unknown_host_dtype_names_lossless_among_the_choices(engine, device, monkeypatch):
     monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "lossles")
     with pytest.raises(ValueError, match="LAYERSTREAM_HOST_DTYPE=lossles is not a setting.*use lossless"):
         mm.LinearLayerMemoryManager.attach(torch.nn.Linear(8, 8).requires_grad_(False), Manager(device))
