@@ -823,12 +823,16 @@ PYBIND11_MODULE(manager_modules, m) {
         const auto table = spec_tuple[2].cast<std::vector<int>>();
         LS_CHECK_ARG(table.size() == spec.exponent.size(), "_lossless_unpack: a table of 16 exponents, not ",
                      table.size());
-        for (std::size_t k = 0; k < table.size(); ++k) spec.exponent[k] = static_cast<std::uint8_t>(table[k]);
+        for (std::size_t k = 0; k < table.size(); ++k) {
+          LS_CHECK_ARG(table[k] >= 0 && table[k] <= 255, "_lossless_unpack: exponent ", table[k], " of the table");
+          spec.exponent[k] = static_cast<std::uint8_t>(table[k]);
+        }
         return lossless_unpack(codes, spec, shape);
       },
       py::arg("codes"), py::arg("spec"), py::arg("shape"),
       "The bfloat16 tensor of `shape` rebuilt from _lossless_pack's bytes (on their device: the CUDA kernels "
-      "on torch's current stream, or the host reference). For tests and benchmarks.");
+      "on torch's current stream, or the host reference). For tests and benchmarks: the bytes are trusted "
+      "(the CUDA path does not check the exception list's indices).");
   m.def("sync_grad_transfers", [] {
     {
       auto states = DeviceState::live();
