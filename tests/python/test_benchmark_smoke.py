@@ -35,7 +35,7 @@ def test_small_preset_runs_and_reports(tmp_path, mode):
 
 def test_flux2_shapes_and_options_run_in_one_call(tmp_path):
     """The FLUX.2-shaped model (SwiGLU, no bias, shared modulation), two modes in one call, host float8
-    storage and optimum-quanto weights: every option the GPU runs use, at toy size."""
+    storage, lossless packing and optimum-quanto weights: every option the GPU runs use, at toy size."""
     dirs = aitk_dirs()
     if not dirs:
         pytest.skip("the layerstream mode drives AI-Toolkit's manager.py: set AI_TOOLKIT_DIR")
@@ -45,6 +45,7 @@ def test_flux2_shapes_and_options_run_in_one_call(tmp_path):
     runs = {
         "bf16": ["--mode", "resident,layerstream"],
         "host-float8": ["--mode", "layerstream", "--host-dtype", "float8_e4m3fn"],
+        "host-lossless": ["--mode", "layerstream", "--host-dtype", "lossless"],
         "qfloat8": ["--mode", "layerstream", "--quantize", "qfloat8"],
     }
     rows = {}
@@ -71,6 +72,12 @@ def test_flux2_shapes_and_options_run_in_one_call(tmp_path):
     ratio = rows["host-float8"][0]["bytes_per_step"] / streamed["bytes_per_step"]
     assert 0.5 <= ratio < 0.53, ratio
     assert rows["host-float8"][0]["pinned_bytes"] < 0.55 * streamed["pinned_bytes"]
+    # Lossless packing: the same losses as resident, in about three quarters of the bytes.
+    lossless = rows["host-lossless"][0]
+    assert lossless["losses"] == resident["losses"]
+    ratio = lossless["bytes_per_step"] / streamed["bytes_per_step"]
+    assert 0.7 <= ratio < 0.8, ratio
+    assert lossless["pinned_bytes"] < 0.8 * streamed["pinned_bytes"]
     quantized = rows["qfloat8"][0]
     assert quantized["status"] == "ok" and quantized["bytes_per_step"] < 0.55 * streamed["bytes_per_step"]
 
