@@ -218,7 +218,8 @@ class TransferEngine {
   void copy_layer_locked(Layer& layer);
   // Resident copies: make the H2D stream wait for the copy's readers, or the host (before freeing).
   void wait_resident_readers_on_h2d_locked(Layer& layer);
-  // Before `copied` is recorded on H2D again (a resident copy): H2D waits for a pending derivation.
+  // H2D waits for a pending derivation (fill hook): before its region is written again, or `copied` is
+  // recorded on H2D again.
   void wait_derivation_on_h2d_locked(Layer& layer);
   void drop_resident_locked(Layer& layer);
   void discard_region_locked(Layer& layer);

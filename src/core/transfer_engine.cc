@@ -131,7 +131,7 @@ void TransferEngine::discard_region_locked(Layer& layer) {
     // Every later ring write is on H2D: waiting here orders them all after the region's last readers,
     // and after the derivation that may still write its scratch.
     for (Event& e : eviction.wait_events) backend_.stream_wait_event(h2d_.get(), e.get());
-    if (layer.on_fill) backend_.stream_wait_event(h2d_.get(), layer.copied.get());
+    wait_derivation_on_h2d_locked(layer);
     ring_.recycle(eviction.wait_events);
   }
   layer.region = 0;
@@ -311,9 +311,10 @@ bool TransferEngine::resident(LayerId id) const {
 }
 
 void TransferEngine::wait_derivation_on_h2d_locked(Layer& layer) {
-  // `copied` is about to be recorded on H2D for a resident copy. While it names a derivation on the derive
-  // stream, it is the only event that orders later work after it (region reuse, leases still waiting): H2D
-  // waits for it first, so the new record covers it.
+  // For a layer with a fill hook, `copied` names the last derivation on the derive stream. H2D waits for it
+  // before a copy overwrites the region the derivation reads and writes (eviction, discard), and before
+  // `copied` is recorded on H2D again (a resident copy), which must still cover it for the region's reuse
+  // and for leases still waiting.
   if (layer.on_fill) backend_.stream_wait_event(h2d_.get(), layer.copied.get());
 }
 
@@ -343,7 +344,7 @@ void TransferEngine::settle_eviction_locked(Eviction& eviction) {
     it->second.region = 0;
     // A derivation (fill hook) may still read the region and write its scratch, with no reader yet to
     // wait for (a prefetch never used): the next write waits for it.
-    if (it->second.on_fill) backend_.stream_wait_event(h2d_.get(), it->second.copied.get());
+    wait_derivation_on_h2d_locked(it->second);
     if (it->second.prefetched_unused) ++stats_.prefetch_wasted;
     it->second.prefetched_unused = false;
   }
