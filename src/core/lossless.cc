@@ -25,13 +25,18 @@ std::uint16_t rebuild(std::uint8_t low, std::uint8_t exponent) {
   return static_cast<std::uint16_t>(((low & 0x80u) << 8) | (static_cast<unsigned>(exponent) << 7) | (low & 0x7Fu));
 }
 
-// Splits [0, count) into even-sized pieces of at least a few MiB for the host's cores (a nibble byte
-// never straddles two pieces: every piece but the last has an even length) and runs fn(piece, begin, end).
-template <typename Fn>
-std::size_t in_pieces(std::size_t count, Fn&& fn) {
+// How many pieces in_pieces splits `count` values into: one per core, each of at least a few MiB.
+std::size_t piece_count(std::size_t count) {
   constexpr std::size_t kMinPiece = std::size_t{1} << 21;
   const std::size_t cores = std::max<std::size_t>(1, std::thread::hardware_concurrency());
-  const std::size_t pieces = std::max<std::size_t>(1, std::min(cores, count / kMinPiece));
+  return std::max<std::size_t>(1, std::min(cores, count / kMinPiece));
+}
+
+// Splits [0, count) into piece_count(count) even-sized pieces (a nibble byte never straddles two pieces:
+// every piece but the last has an even length) and runs fn(piece, begin, end), one thread per piece.
+template <typename Fn>
+void in_pieces(std::size_t count, Fn&& fn) {
+  const std::size_t pieces = piece_count(count);
   const std::size_t length = (count / pieces + 1) & ~std::size_t{1};
   std::vector<std::thread> threads;
   threads.reserve(pieces);
@@ -45,7 +50,6 @@ std::size_t in_pieces(std::size_t count, Fn&& fn) {
     }
   }
   for (auto& t : threads) t.join();
-  return pieces;
 }
 
 }  // namespace
@@ -58,9 +62,9 @@ LosslessSpec lossless_plan(const std::uint16_t* values, std::size_t count) {
   LS_CHECK_ARG(count > 0 && count <= kLosslessMaxCount, "lossless packing takes 1 to ", kLosslessMaxCount,
                " values per tensor, not ", count);
   LS_CHECK_ARG(values != nullptr, "lossless_plan: no values");
-  const std::size_t cores = std::max<std::size_t>(1, std::thread::hardware_concurrency());
-  std::vector<std::array<std::size_t, 256>> partial(cores);
-  const std::size_t pieces = in_pieces(count, [&](std::size_t p, std::size_t begin, std::size_t end) {
+  const std::size_t pieces = piece_count(count);
+  std::vector<std::array<std::size_t, 256>> partial(pieces);
+  in_pieces(count, [&](std::size_t p, std::size_t begin, std::size_t end) {
     std::array<std::size_t, 256> h{};
     for (std::size_t i = begin; i < end; ++i) ++h[exponent_of(values[i])];
     partial[p] = h;
@@ -104,9 +108,9 @@ void lossless_encode(const LosslessSpec& spec, const std::uint16_t* values, void
   std::memset(low + spec.count, 0, spec.codes_offset() - spec.count);
   const std::size_t code_bytes = (spec.count + 1) / 2;
   std::memset(codes + code_bytes, 0, spec.exceptions_offset() - spec.codes_offset() - code_bytes);
-  const std::size_t cores = std::max<std::size_t>(1, std::thread::hardware_concurrency());
-  std::vector<std::vector<std::uint32_t>> found(cores);
-  const std::size_t pieces = in_pieces(spec.count, [&](std::size_t p, std::size_t begin, std::size_t end) {
+  const std::size_t pieces = piece_count(spec.count);
+  std::vector<std::vector<std::uint32_t>> found(pieces);
+  in_pieces(spec.count, [&](std::size_t p, std::size_t begin, std::size_t end) {
     std::vector<std::uint32_t>& mine = found[p];
     for (std::size_t i = begin; i < end; i += 2) {
       std::uint8_t byte = 0;
