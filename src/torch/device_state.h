@@ -80,8 +80,8 @@ struct VramBudget {
 
 // How a quantized or packed layer's weight was rebuilt for one use: into its ring region's scratch, found
 // there from an earlier use of the same copy, into memory of its own (torch's allocator: resident layers,
-// layouts the core does not take, a second stream), or found in the scratch the copy stream decoded into
-// after the copy (losslessly packed weights).
+// layouts the core does not take, a second stream), or found in the scratch the engine's derive stream
+// decoded into after the copy (losslessly packed weights).
 enum class DequantUse { kIntoScratch, kReused, kOwnMemory, kOnCopy };
 
 struct StateStats {

@@ -517,7 +517,7 @@ py::dict stats_dict(const StateStats& s) {
   d["sim_races"] = s.sim_races;
   // Quantized layers: dequantized into the ring region's scratch, found there again, or into memory of
   // their own (resident layers, layouts the kernel does not take); losslessly packed layers: found
-  // decoded in the scratch by the copy stream.
+  // decoded in the scratch, by the engine's derive stream after the copy.
   d["dequant_into_scratch"] = s.dequant_into_scratch;
   d["dequant_reused"] = s.dequant_reused;
   d["dequant_own_memory"] = s.dequant_own_memory;
@@ -803,11 +803,7 @@ PYBIND11_MODULE(manager_modules, m) {
         LS_CHECK_ARG(weight.scalar_type() == at::kBFloat16 && weight.numel() > 0,
                      "_lossless_pack takes a non-empty bfloat16 tensor, not ", weight.scalar_type(), " of shape ",
                      weight.sizes());
-        const at::Tensor exact = weight.detach().to(at::kCPU).contiguous();
-        const auto* values = static_cast<const std::uint16_t*>(exact.data_ptr());
-        const LosslessSpec spec = lossless_plan(values, static_cast<std::size_t>(exact.numel()));
-        at::Tensor codes = at::empty({static_cast<std::int64_t>(spec.bytes())}, at::TensorOptions().dtype(at::kByte));
-        lossless_encode(spec, values, codes.data_ptr());
+        auto [codes, spec] = *lossless_pack(weight, /*only_if_smaller=*/false);
         const std::vector<int> table(spec.exponent.begin(), spec.exponent.end());
         return py::make_tuple(codes, py::make_tuple(spec.count, spec.exceptions, table));
       },

@@ -335,15 +335,10 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
   // decoder runs. Others are stored as they are.
   const bool lossless_takes = host.lossless && weight.numel() > 0 && wt == at::kBFloat16 && weight.is_contiguous() &&
                               static_cast<std::size_t>(weight.numel()) <= kLosslessMaxCount && decoder;
-  at::Tensor exact;
-  std::optional<LosslessSpec> spec;
-  if (lossless_takes && frozen) {
-    exact = weight.detach().to(at::kCPU).contiguous();
-    spec = lossless_plan(static_cast<const std::uint16_t*>(exact.data_ptr()), static_cast<std::size_t>(exact.numel()));
-    // Exponents spread too widely (8 bytes per exception): no smaller than plain, so stored as it is.
-    if (spec->bytes() >= static_cast<std::size_t>(exact.numel()) * sizeof(std::uint16_t)) spec.reset();
-  }
-  const bool to_lossless = spec.has_value();
+  // A weight whose exponents spread too widely (8 bytes per exception) packs no smaller: stored as it is.
+  std::optional<std::pair<at::Tensor, LosslessSpec>> packed;
+  if (lossless_takes && frozen) packed = lossless_pack(weight, /*only_if_smaller=*/true);
+  const bool to_lossless = packed.has_value();
   const bool to_float8 = float8_takes && frozen;
   const bool compress = to_float8 || to_lossless;
   Packed w, b;
@@ -353,14 +348,13 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
   if (to_lossless) {
     // Frozen bfloat16 weight packed exactly (lossless.h); as for float8, the Parameter keeps its values in
     // ordinary (pageable) host memory, outside the arena.
-    codes = at::empty({static_cast<std::int64_t>(spec->bytes())}, at::TensorOptions().dtype(at::kByte));
-    lossless_encode(*spec, static_cast<const std::uint16_t*>(exact.data_ptr()), codes.data_ptr());
+    codes = packed->first;
     w = describe(codes, {1}, at::kByte);
     q.emplace();
     q->math = wt;
     q->result = wt;
     q->compressed = true;
-    q->lossless = *spec;
+    q->lossless = packed->second;
     q->sizes = weight.sizes().vec();
     parts = {{&w, codes}};
   } else if (to_float8) {
@@ -583,8 +577,8 @@ bool StreamedLayer::lossless_decoder_here() const {
   return true;
 }
 
-std::vector<std::int64_t> StreamedLayer::weight_sizes(const at::Tensor& codes) const {
-  return quant_->lossless ? quant_->sizes : codes.sizes().vec();
+std::vector<std::int64_t> StreamedLayer::weight_shape() const {
+  return quant_ && quant_->lossless ? quant_->sizes : weight_.sizes;
 }
 
 namespace {
@@ -606,6 +600,18 @@ void run_lossless_decode(const LosslessSpec& spec, const at::Tensor& codes, at::
 }
 
 }  // namespace
+
+std::optional<std::pair<at::Tensor, LosslessSpec>> lossless_pack(const at::Tensor& weight, bool only_if_smaller) {
+  const at::Tensor exact = weight.detach().to(at::kCPU).contiguous();
+  const auto* values = static_cast<const std::uint16_t*>(exact.data_ptr());
+  const LosslessSpec spec = lossless_plan(values, static_cast<std::size_t>(exact.numel()));
+  if (only_if_smaller && spec.bytes() >= static_cast<std::size_t>(exact.numel()) * sizeof(std::uint16_t)) {
+    return std::nullopt;
+  }
+  at::Tensor codes = at::empty({static_cast<std::int64_t>(spec.bytes())}, at::TensorOptions().dtype(at::kByte));
+  lossless_encode(spec, values, codes.data_ptr());
+  return std::make_pair(std::move(codes), spec);
+}
 
 at::Tensor lossless_unpack(const at::Tensor& codes, const LosslessSpec& spec, c10::IntArrayRef sizes) {
   LS_CHECK_ARG(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
@@ -630,12 +636,12 @@ at::Tensor StreamedLayer::dequantize(const at::Tensor& codes, const at::Tensor& 
 
 at::Tensor StreamedLayer::dequantize_in_scratch(const at::Tensor& codes, const at::Tensor& scale, const Lease& lease,
                                                  at::Device where, StreamHandle consumer) {
-  const std::vector<std::int64_t> sizes = weight_sizes(codes);
+  const std::vector<std::int64_t> sizes = weight_shape();
   const std::size_t bytes = static_cast<std::size_t>(c10::multiply_integers(sizes)) * c10::elementSize(quant_->result);
   LS_CHECK(lease.extra_bytes >= bytes, "internal: scratch of ", lease.extra_bytes, " bytes for a weight of ", bytes);
   at::Tensor out = at::from_blob(lease.extra, sizes, at::TensorOptions().dtype(quant_->result).device(where));
   const bool on_host = where.is_cpu();
-  if (quant_->lossless) {  // decoded by the copy stream before the copy's ready event (fill_hook_locked)
+  if (quant_->lossless) {  // decoded on the derive stream before the copy's ready event (fill_hook_locked)
     if (on_host) state_->backend().annotate_host_access(lease.extra, bytes, false);
     state_->note_dequant(DequantUse::kOnCopy);
     return out;
@@ -698,25 +704,25 @@ TransferEngine& StreamedLayer::registered_engine() {
 }
 
 TransferEngine::FillHook StreamedLayer::fill_hook_locked() const {
-  // Packed weights are decoded on the copy stream right after their copy, where the bus (not the compute
-  // stream) waits for it; the consumer then finds them decoded (dequantize_in_scratch).
+  // Packed weights are decoded on the engine's derive stream right after their copy, beside the next copy
+  // and off the compute stream; the consumer then finds them decoded (dequantize_in_scratch).
   if (!quant_ || !quant_->lossless || scratch_ == 0) return {};
   const LosslessSpec spec = *quant_->lossless;
   if (state_->mode() == Mode::kSim) {
     Backend* backend = &state_->backend();  // outlives the engines built on it
-    return [spec, backend](void* region, void* scratch, StreamHandle h2d) {
-      backend->annotate_stream_access(h2d, region, spec.bytes(), false);
-      backend->annotate_stream_access(h2d, scratch, spec.count * sizeof(std::uint16_t), true);
-      backend->launch_host_func(h2d, [spec, region, scratch] {
+    return [spec, backend](void* region, void* scratch, StreamHandle stream) {
+      backend->annotate_stream_access(stream, region, spec.bytes(), false);
+      backend->annotate_stream_access(stream, scratch, spec.count * sizeof(std::uint16_t), true);
+      backend->launch_host_func(stream, [spec, region, scratch] {
         lossless_decode_host(spec, region, static_cast<std::uint16_t*>(scratch));
       });
     };
   }
 #if defined(LAYERSTREAM_WITH_CUDA) && defined(LAYERSTREAM_TORCH_CUDA)
   const c10::DeviceIndex device = state_->device().index();
-  return [spec, device](void* region, void* scratch, StreamHandle h2d) {
+  return [spec, device](void* region, void* scratch, StreamHandle stream) {
     const c10::cuda::CUDAGuard guard(device);
-    lossless_decode_cuda(spec, region, scratch, h2d.raw);
+    lossless_decode_cuda(spec, region, scratch, stream.raw);
   };
 #else
   return {};
@@ -888,7 +894,7 @@ std::array<at::Tensor, 3> StreamedLayer::compute_backward(const at::Tensor& grad
   if (kind_ == LayerKind::kLinear) {
     // The formulas of upstream autograd for linear (addmm / matmul + add), so that results are
     // bitwise those of the all-resident layer.
-    const std::int64_t out_features = quant_ && quant_->lossless ? quant_->sizes[0] : weight_.sizes[0];
+    const std::int64_t out_features = weight_shape()[0];
     const at::Tensor g2 = grad_out.reshape({-1, out_features});
     if (need_x) {
       gx = with_device_weights([&](const at::Tensor& w, const at::Tensor&) {

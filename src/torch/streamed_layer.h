@@ -41,6 +41,9 @@ struct ConvParams {
 // the host reference for host tensors) where the layout allows; otherwise torch operations do.
 at::Tensor dequantize_codes(const at::Tensor& codes, const at::Tensor& scale, at::ScalarType math,
                             at::ScalarType result, bool use_core);
+// A bfloat16 tensor packed losslessly (layerstream/lossless.h) into new host bytes, with its spec; nullopt
+// when `only_if_smaller` and the packing would take at least the tensor's own bytes.
+std::optional<std::pair<at::Tensor, LosslessSpec>> lossless_pack(const at::Tensor& weight, bool only_if_smaller);
 // A contiguous bfloat16 tensor rebuilt from losslessly packed bytes (layerstream/lossless.h), on the bytes'
 // device: the CUDA kernels on torch's current stream, or the host reference.
 at::Tensor lossless_unpack(const at::Tensor& codes, const LosslessSpec& spec, c10::IntArrayRef sizes);
@@ -158,12 +161,12 @@ class StreamedLayer : public torch::CustomClassHolder {
   // (a quantized layer on the simulator or on CUDA), else 0. Caller holds mu_; install() keeps it in scratch_.
   std::size_t scratch_bytes_locked() const;
   // For a losslessly packed layer: the engine's hook that decodes each ring copy into its scratch on the
-  // copy stream (none for other layers).
+  // engine's derive stream (none for other layers).
   TransferEngine::FillHook fill_hook_locked() const;
   // Whether this process device can decode losslessly packed weights (says once when it cannot).
   bool lossless_decoder_here() const;
-  // The shape of the weight whose stored form is `codes` (codes' own, or the packed weight's).
-  std::vector<std::int64_t> weight_sizes(const at::Tensor& codes) const;
+  // The weight's shape: its codes' for a quantized one, the packed weight's for a losslessly packed one.
+  std::vector<std::int64_t> weight_shape() const;
   // forward() and forward_frozen() after their checks: `weight` undefined for a quantized layer.
   at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
   at::Tensor compute_on_host(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const;
