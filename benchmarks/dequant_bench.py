@@ -49,6 +49,12 @@ def _time(fn, device, repeats: int) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
+def _print_row(label: str, rows: int, cols: int, t_k: float, gbs_k: float, share: float | None, torch_cols: str,
+               same: bool) -> None:
+    print(f"{label:42} {rows:>6}x{cols:<6} {t_k * 1e6:>10.1f} {gbs_k:>8.0f} "
+          f"{'-' if share is None else f'{share:.0f}':>7} {torch_cols}  {same}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json-out")
@@ -82,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                          "shape": [r, c], "device": str(device), "kernel_s": t_k, "kernel_gbs": gbs_k,
                          "kernel_share_of_peak": share, "torch_ops_s": t_o, "torch_ops_gbs": gbs_o,
                          "same_bits": same})
-            print(f"{label:42} {r:>6}x{c:<6} {t_k * 1e6:>10.1f} {gbs_k:>8.0f} "
-                  f"{'-' if share is None else f'{share:.0f}':>7} {t_o * 1e6:>10.1f} {gbs_o:>8.0f}  {same}", flush=True)
+            _print_row(label, r, c, t_k, gbs_k, share, f"{t_o * 1e6:>10.1f} {gbs_o:>8.0f}", same)
     for r, c in shapes:
         gen = torch.Generator(device="cpu").manual_seed(r * 17 + c)
         weight = (torch.randn(r, c, generator=gen) * 0.02).to(torch.bfloat16)
@@ -100,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"kind": "lossless", "shape": [r, c], "device": str(device), "kernel_s": t_k,
                      "kernel_gbs": gbs_k, "kernel_share_of_peak": share, "packed_ratio": ratio,
                      "exceptions": spec[1], "same_bits": same})
-        print(f"{label:42} {r:>6}x{c:<6} {t_k * 1e6:>10.1f} {gbs_k:>8.0f} "
-              f"{'-' if share is None else f'{share:.0f}':>7} {'-':>10} {'-':>8}  {same}", flush=True)
+        _print_row(label, r, c, t_k, gbs_k, share, f"{'-':>10} {'-':>8}", same)  # no torch counterpart
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
