@@ -7,6 +7,11 @@ decoder (LAYERSTREAM_HOST_DTYPE=lossless) on weight-like values of the same shap
 
     python benchmarks/dequant_bench.py [--json-out FILE] [--peak-gbs 4800]
 
+With --contention (GPU only): what a lossless decode on a side stream costs a chain of bfloat16 GEMMs on
+the compute stream (a FLUX.2-shaped linear), at several limits on the decode's thread blocks
+(LAYERSTREAM_DECODE_BLOCKS): the chain alone, then beside as many decodes as the bus would deliver packed
+bytes in that time; the chain's extra time per decode, against the decode's own time alone.
+
 On a machine without a GPU it runs the host reference on small shapes (a smoke run, no timing claims).
 """
 
@@ -55,12 +60,91 @@ def _print_row(label: str, rows: int, cols: int, t_k: float, gbs_k: float, share
           f"{'-' if share is None else f'{share:.0f}':>7} {torch_cols}  {same}", flush=True)
 
 
+def _chain_ms(fn_compute, fn_side, device) -> tuple[float, float]:
+    """Runs fn_compute on the current stream and fn_side (or nothing) on a side stream, both starting
+    together; returns (compute ms, side ms)."""
+    compute = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    torch.cuda.synchronize(device)
+    ev[0].record(compute)
+    side.wait_stream(compute)
+    with torch.cuda.stream(side):
+        ev[2].record(side)
+        if fn_side is not None:
+            fn_side()
+        ev[3].record(side)
+    fn_compute()
+    ev[1].record(compute)
+    torch.cuda.synchronize(device)
+    return ev[0].elapsed_time(ev[1]), ev[2].elapsed_time(ev[3])
+
+
+def contention(device, caps: list[int], bus_gbs: float, repeats: int = 5) -> list[dict]:
+    """The compute stream's GEMM chain alone and beside capped decodes (see the module's docstring)."""
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    tokens, hidden, out_features = 4608, 6144, 18432  # FLUX.2: image + text tokens, hidden, an MLP's width
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
+    w = (torch.randn(out_features, hidden, generator=gen) * 0.02).to(torch.bfloat16)
+    packed, spec = mm._lossless_pack(w)
+    packed = packed.to(device)
+    w = w.to(device)
+    y = torch.empty(tokens, out_features, dtype=torch.bfloat16, device=device)
+    gemms = 40
+
+    def chain() -> None:
+        for _ in range(gemms):
+            torch.mm(x, w.t(), out=y)
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    chain()
+    alone = median([_chain_ms(chain, None, device)[0] for _ in range(repeats)])
+    decodes = max(1, round(alone / 1e3 * bus_gbs * 1e9 / packed.numel()))
+    print(f"\nGEMM chain ({gemms} x [{tokens}x{hidden}] @ [{hidden}x{out_features}], bf16) alone: {alone:.2f} ms; "
+          f"beside {decodes} decodes of a {out_features}x{hidden} weight ({packed.numel() / 1e6:.0f} MB packed: "
+          f"the bus's {bus_gbs:.0f} GB/s over that time)", flush=True)
+    print(f"{'decode blocks':>13} {'decode us':>10} {'GB/s':>7} {'chain ms':>9} {'+ms':>7} {'us/decode':>10} "
+          f"{'x alone':>8} {'decodes ms':>11}", flush=True)
+    rows = []
+    for cap in caps:
+        one = lambda: mm._lossless_unpack(packed, spec, [out_features, hidden], max_blocks=cap)  # noqa: E731
+        same = torch.equal(one(), w)
+        t_one = _time(one, device, repeats * 4)
+
+        def side() -> None:
+            for _ in range(decodes):
+                one()
+
+        runs = [_chain_ms(chain, side, device) for _ in range(repeats)]
+        with_decodes = median([r[0] for r in runs])
+        side_ms = median([r[1] for r in runs])
+        extra = with_decodes - alone
+        per_decode_us = extra * 1e3 / decodes
+        gbs = (packed.numel() + w.numel() * 2) / t_one / 1e9
+        rows.append({"kind": "contention", "decode_blocks": cap, "decode_s": t_one, "decode_gbs": gbs,
+                     "chain_alone_ms": alone, "chain_with_decodes_ms": with_decodes, "decodes": decodes,
+                     "decodes_ms": side_ms, "extra_us_per_decode": per_decode_us,
+                     "extra_over_decode_alone": per_decode_us / (t_one * 1e6), "same_bits": same})
+        print(f"{cap if cap else 'all':>13} {t_one * 1e6:>10.1f} {gbs:>7.0f} {with_decodes:>9.2f} {extra:>7.2f} "
+              f"{per_decode_us:>10.1f} {per_decode_us / (t_one * 1e6):>8.2f} {side_ms:>11.2f}"
+              f"{'' if same else '  WRONG BITS'}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json-out")
     parser.add_argument("--peak-gbs", type=float, default=None,
                         help="HBM peak in GB/s for the percentage (H200: 4800); default: none shown")
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--contention", action="store_true",
+                        help="GPU: also the decode beside a GEMM chain at several block limits")
+    parser.add_argument("--contention-blocks", default="0,2048,1024,528,264,132,66,32,16",
+                        help="the block limits for --contention (0: none)")
+    parser.add_argument("--bus-gbs", type=float, default=55.0,
+                        help="--contention: packed bytes decoded per second of the chain (the bus's rate)")
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -106,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                      "kernel_gbs": gbs_k, "kernel_share_of_peak": share, "packed_ratio": ratio,
                      "exceptions": spec[1], "same_bits": same})
         _print_row(label, r, c, t_k, gbs_k, share, f"{'-':>10} {'-':>8}", same)  # no torch counterpart
+    if args.contention and cuda:
+        rows += contention(device, [int(c) for c in args.contention_blocks.split(",")], args.bus_gbs)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,

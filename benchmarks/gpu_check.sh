@@ -399,22 +399,30 @@ if want lossless && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   # decoder's bandwidth, then layerstream alone on the runs LAYERSTREAM_LOSSLESS_RUNS picks (default both):
   # flux1 = FLUX.1 100% streamed (about 1.5 minutes), flux2cap = FLUX.2 under a 24 GiB cap with that cap as
   # its budget (about 3). The floors' compute times come from LAYERSTREAM_REFERENCE_JSON_FLUX1 and
-  # LAYERSTREAM_REFERENCE_JSON_FLUX2 (runs with a resident row) when given.
+  # LAYERSTREAM_REFERENCE_JSON_FLUX2 (runs with a resident row) when given. The decoder's bandwidth comes
+  # with its cost to a GEMM chain beside it at several block limits (dequant_bench.py --contention).
+  # LAYERSTREAM_LOSSLESS_ENVS (e.g. "LAYERSTREAM_RING_MB=6144 LAYERSTREAM_DECODE_BLOCKS=132") go to both
+  # runs; LAYERSTREAM_DECODE_SWEEP (e.g. "0,264,66") adds --decode-blocks-sweep to the FLUX.2 run.
   ensure_installed
-  step "the lossless decoder on FLUX.1 layer shapes"
-  run lossless_decode python3 benchmarks/dequant_bench.py --peak-gbs 4800 --json-out "$OUT/lossless_decode.json"
-  grep -E "^lossless" "$OUT/all.log" | tail -n 4 | sed 's/^/      /' >>"$OUT/summary.txt"
+  step "the lossless decoder on FLUX.1 layer shapes, and beside a GEMM chain"
+  run lossless_decode python3 benchmarks/dequant_bench.py --peak-gbs 4800 --contention \
+    --json-out "$OUT/lossless_decode.json"
+  grep -E "^lossless|^ +([0-9]+|all) " "$OUT/all.log" | tail -n 14 | sed 's/^/      /' >>"$OUT/summary.txt"
+  read -r -a LENVS <<<"${LAYERSTREAM_LOSSLESS_ENVS:-}"
+  SWEEP=(); [[ -n ${LAYERSTREAM_DECODE_SWEEP:-} ]] && SWEEP=(--decode-blocks-sweep "$LAYERSTREAM_DECODE_SWEEP")
   LRUNS=",${LAYERSTREAM_LOSSLESS_RUNS:-flux1,flux2cap},"
   if [[ $LRUNS == *,flux1,* ]]; then
     step "FLUX.1 100% streamed, layerstream with LAYERSTREAM_HOST_DTYPE=lossless"
     REF=(); [[ -n ${LAYERSTREAM_REFERENCE_JSON_FLUX1:-} ]] && REF=(--reference-json "$LAYERSTREAM_REFERENCE_JSON_FLUX1")
-    flux lossless_flux1 --preset flux1 --mode layerstream --host-dtype lossless --warmup 3 --steps 4 "${REF[@]}"
+    flux lossless_flux1 "${LENVS[@]}" --preset flux1 --mode layerstream --host-dtype lossless --warmup 3 --steps 4 \
+      "${REF[@]}"
   fi
   if [[ $LRUNS == *,flux2cap,* ]]; then
     step "FLUX.2 under a 24 GiB cap, layerstream with LAYERSTREAM_HOST_DTYPE=lossless (budget = the cap)"
     REF=(); [[ -n ${LAYERSTREAM_REFERENCE_JSON_FLUX2:-} ]] && REF=(--reference-json "$LAYERSTREAM_REFERENCE_JSON_FLUX2")
-    flux lossless_flux2cap LAYERSTREAM_VRAM_BUDGET=24GiB --preset flux2 --mode layerstream --host-dtype lossless \
-      --vram-cap-gb 24 --warmup 3 --steps 3 "${REF[@]}"
+    flux lossless_flux2cap LAYERSTREAM_VRAM_BUDGET=24GiB "${LENVS[@]}" --preset flux2 --mode layerstream \
+      --host-dtype lossless --vram-cap-gb 24 --warmup 3 --steps 3 "${REF[@]}" "${SWEEP[@]}"
+    grep -E "^  layerstream, decode blocks" "$OUT/all.log" | tail -n 8 | sed 's/^/      /' >>"$OUT/summary.txt"
   fi
 fi
 

@@ -53,7 +53,10 @@ void lossless_decode_host(const LosslessSpec& spec, const void* encoded, std::ui
 #ifdef LAYERSTREAM_WITH_CUDA
 // Enqueues the decode on `stream` (a cudaStream_t) of the current device; returns at once. `encoded`
 // should be 16-byte aligned and `out` 16-byte aligned for the wide path (any alignment works, slower).
-void lossless_decode_cuda(const LosslessSpec& spec, const void* encoded, void* out, void* stream);
+// max_blocks: at most this many thread blocks of 256 (each loops over its share), so that a decode beside
+// other work holds few of the GPU's SMs; 0: as many as the values need (the fastest alone).
+void lossless_decode_cuda(const LosslessSpec& spec, const void* encoded, void* out, void* stream,
+                          unsigned max_blocks = 0);
 #endif
 
 }  // namespace layerstream

@@ -529,6 +529,38 @@ def phase_split(model, inputs, optimizer, sync_grads, device, stats) -> dict:
             "forward_bytes": b1 - b0 if both else None, "backward_bytes": b2 - b1 if both else None}
 
 
+def decode_blocks_sweep(args, mode, one_step, device, model, inputs, optimizer, sync_grads) -> list[dict] | None:
+    """--decode-blocks-sweep: after the timed steps, the same model again at each limit on the lossless
+    decode's thread blocks (one step to settle, then --steps timed, then a phase split): the settings
+    side by side in one process, with the model built and packed once."""
+    if not args.decode_blocks_sweep or mode != "layerstream" or args.host_dtype != "lossless":
+        return None
+    from layerstream import manager_modules as mm
+
+    before = mm._decode_blocks()
+    results = []
+    try:
+        for blocks in (int(b) for b in args.decode_blocks_sweep.split(",")):
+            mm._set_decode_blocks(blocks)
+            one_step()
+            times = []
+            for _ in range(args.steps):
+                _sync(device)
+                t0 = time.perf_counter()
+                one_step()
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+            phases = phase_split(model, inputs, optimizer, sync_grads, device, None)
+            results.append({"decode_blocks": blocks, "s_per_step_mean": sum(times) / len(times),
+                            "s_per_step_min": min(times), "step_times_s": times, "phases": phases})
+            print(f"[{mode}] decode blocks {blocks or 'all'}: {results[-1]['s_per_step_mean']:.3f} s/step "
+                  f"(min {min(times):.3f}); forward {phases['forward_s']:.3f} s, backward "
+                  f"{phases['backward_s']:.3f} s", flush=True)
+    finally:
+        mm._set_decode_blocks(before)
+    return results
+
+
 def _stored_bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else sum(x.nbytes for x in stored_tensors(t))
 
@@ -703,6 +735,7 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
     stats_end = counters() if counters is not None else None
     phases = phase_split(model, (img, txt, vec), optimizer, sync_grads, device,
                          counters if stats_end is not None else None)
+    sweep = decode_blocks_sweep(args, mode, one_step, device, model, (img, txt, vec), optimizer, sync_grads)
     timeline = None
     if args.timeline_out and device.type == "cuda" and mode != "resident":
         # One more step (not timed) under the profiler: when the bus copied and when the GPU computed.
@@ -726,6 +759,8 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
         "pinned_bytes": None, "pinned_bytes_exact": None, "bytes_per_step": None, "engine_stats": None,
         "joules_per_step": joules_per_step, "timeline": timeline, "phases": phases,
     }
+    if sweep is not None:
+        row["decode_blocks_sweep"] = sweep
     if device.type == "cuda":
         row["peak_vram_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         row["peak_vram_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
@@ -863,6 +898,13 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
     if plans:
         print(plans)
         losses += "\n\n" + plans
+    sweeps = "\n".join(
+        f"  {r['mode']}, decode blocks {x['decode_blocks'] or 'all'}: {x['s_per_step_mean']:.3f} s/step (min "
+        f"{x['s_per_step_min']:.3f}), forward {x['phases']['forward_s']:.3f} s, backward {x['phases']['backward_s']:.3f} s"
+        for r in rows for x in r.get("decode_blocks_sweep") or [])
+    if sweeps:
+        print("decode blocks sweep (after the timed steps, same process):\n" + sweeps)
+        losses += "\n\ndecode blocks sweep:\n\n" + sweeps
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2, default=str) + "\n")
     if args.md_out:
@@ -948,6 +990,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="layerstream mode only: LAYERSTREAM_HOST_DTYPE, frozen weights kept and streamed "
                              "packed exactly in about 12 bits per value (lossless) or as 8-bit codes with a scale "
                              "per output channel (float8; the other modes stream bf16)")
+    parser.add_argument("--decode-blocks-sweep",
+                        help="with --host-dtype lossless: after the timed steps, --steps more at each of these "
+                             "limits on the decode's thread blocks (comma-separated; 0: no limit), in one process")
     parser.add_argument("--rank", type=int, default=128, help="LoRA rank (alpha = rank)")
     parser.add_argument("--lora-init-nonzero", action="store_true",
                         help="start lora_up at N(0, 1e-3) instead of zero, so lora_down gets gradients too")

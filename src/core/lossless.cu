@@ -85,14 +85,15 @@ __global__ void patch_exceptions(const std::uint32_t* list, const std::uint8_t* 
 
 constexpr int kThreads = 256;
 
-unsigned blocks_for(std::size_t items) {
-  // One item per thread up to 2^16 blocks, then grid-stride.
-  return static_cast<unsigned>(std::min<std::size_t>((items + kThreads - 1) / kThreads, 1u << 16));
+unsigned blocks_for(std::size_t items, unsigned max_blocks) {
+  // One item per thread up to 2^16 blocks (or max_blocks), then grid-stride.
+  const std::size_t most = max_blocks > 0 ? std::min(max_blocks, 1u << 16) : 1u << 16;
+  return static_cast<unsigned>(std::min<std::size_t>((items + kThreads - 1) / kThreads, most));
 }
 
 template <typename I>
-void launch_values(const Args& a, bool wide, cudaStream_t stream) {
-  const unsigned blocks = blocks_for((a.count + 15) / 16);
+void launch_values(const Args& a, bool wide, unsigned max_blocks, cudaStream_t stream) {
+  const unsigned blocks = blocks_for((a.count + 15) / 16, max_blocks);
   if (wide) {
     decode_values<I, true><<<blocks, kThreads, 0, stream>>>(a);
   } else {
@@ -102,7 +103,8 @@ void launch_values(const Args& a, bool wide, cudaStream_t stream) {
 
 }  // namespace
 
-void lossless_decode_cuda(const LosslessSpec& spec, const void* encoded, void* out, void* stream) {
+void lossless_decode_cuda(const LosslessSpec& spec, const void* encoded, void* out, void* stream,
+                          unsigned max_blocks) {
   LS_CHECK_ARG(encoded != nullptr && out != nullptr, "lossless_decode_cuda: no input or no output");
   LS_CHECK_ARG(spec.count > 0 && spec.count <= kLosslessMaxCount, "lossless_decode_cuda: a spec of ", spec.count,
                " values");
@@ -116,12 +118,12 @@ void lossless_decode_cuda(const LosslessSpec& spec, const void* encoded, void* o
   const auto s = static_cast<cudaStream_t>(stream);
   // 32-bit indices while g * 8 and g + the grid's stride cannot wrap.
   if (spec.count < (std::size_t{1} << 31)) {
-    launch_values<std::uint32_t>(a, wide, s);
+    launch_values<std::uint32_t>(a, wide, max_blocks, s);
   } else {
-    launch_values<std::size_t>(a, wide, s);
+    launch_values<std::size_t>(a, wide, max_blocks, s);
   }
   if (spec.exceptions > 0) {
-    patch_exceptions<<<blocks_for(spec.exceptions), kThreads, 0, s>>>(
+    patch_exceptions<<<blocks_for(spec.exceptions, max_blocks), kThreads, 0, s>>>(
         reinterpret_cast<const std::uint32_t*>(base + spec.exceptions_offset()), base, a.out, spec.exceptions);
   }
   const cudaError_t status = cudaGetLastError();

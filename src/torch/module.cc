@@ -812,7 +812,8 @@ PYBIND11_MODULE(manager_modules, m) {
       "tests and benchmarks.");
   m.def(
       "_lossless_unpack",
-      [](const at::Tensor& codes, const py::tuple& spec_tuple, const std::vector<std::int64_t>& shape) {
+      [](const at::Tensor& codes, const py::tuple& spec_tuple, const std::vector<std::int64_t>& shape,
+         unsigned max_blocks) {
         LosslessSpec spec;
         spec.count = spec_tuple[0].cast<std::size_t>();
         spec.exceptions = spec_tuple[1].cast<std::size_t>();
@@ -823,12 +824,19 @@ PYBIND11_MODULE(manager_modules, m) {
           LS_CHECK_ARG(table[k] >= 0 && table[k] <= 255, "_lossless_unpack: exponent ", table[k], " of the table");
           spec.exponent[k] = static_cast<std::uint8_t>(table[k]);
         }
-        return lossless_unpack(codes, spec, shape);
+        return lossless_unpack(codes, spec, shape, max_blocks);
       },
-      py::arg("codes"), py::arg("spec"), py::arg("shape"),
+      py::arg("codes"), py::arg("spec"), py::arg("shape"), py::arg("max_blocks") = 0u,
       "The bfloat16 tensor of `shape` rebuilt from _lossless_pack's bytes (on their device: the CUDA kernels "
-      "on torch's current stream, or the host reference). For tests and benchmarks: the bytes are trusted "
-      "(the CUDA path does not check the exception list's indices).");
+      "on torch's current stream, at most `max_blocks` thread blocks, 0 for no limit; or the host reference). "
+      "For tests and benchmarks: the bytes are trusted (the CUDA path does not check the exception list's "
+      "indices).");
+  m.def("_decode_blocks", &decode_blocks,
+        "The most thread blocks a lossless decode on the derive stream uses (LAYERSTREAM_DECODE_BLOCKS; 0: no "
+        "limit).");
+  m.def("_set_decode_blocks", &set_decode_blocks, py::arg("blocks"),
+        "Sets the most thread blocks for the lossless decodes enqueued from now on (0: no limit). For "
+        "benchmarks.");
   m.def("sync_grad_transfers", [] {
     {
       auto states = DeviceState::live();

@@ -4,6 +4,7 @@
 #include <c10/util/accumulate.h>
 #include <c10/util/strides.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -585,7 +586,7 @@ namespace {
 
 // Rebuilds a losslessly packed weight into `out` (contiguous, the weight's shape and dtype, on the
 // codes' device): the kernels on torch's current stream of that device, or the host reference.
-void run_lossless_decode(const LosslessSpec& spec, const at::Tensor& codes, at::Tensor& out) {
+void run_lossless_decode(const LosslessSpec& spec, const at::Tensor& codes, at::Tensor& out, unsigned max_blocks) {
   if (!codes.is_cuda()) {
     lossless_decode_host(spec, codes.data_ptr(), static_cast<std::uint16_t*>(out.data_ptr()));
     return;
@@ -593,13 +594,38 @@ void run_lossless_decode(const LosslessSpec& spec, const at::Tensor& codes, at::
 #if defined(LAYERSTREAM_WITH_CUDA) && defined(LAYERSTREAM_TORCH_CUDA)
   const c10::cuda::CUDAGuard guard(codes.device().index());
   lossless_decode_cuda(spec, codes.data_ptr(), out.data_ptr(),
-                       c10::cuda::getCurrentCUDAStream(codes.device().index()).stream());
+                       c10::cuda::getCurrentCUDAStream(codes.device().index()).stream(), max_blocks);
 #else
+  (void)max_blocks;
   LS_CHECK(false, "internal: no lossless decoder in this build");
 #endif
 }
 
+constexpr unsigned kMostDecodeBlocks = 1u << 16;  // the kernel's own limit
+
+std::atomic<unsigned>& decode_blocks_setting() {
+  static std::atomic<unsigned> blocks{[] {
+    const char* v = std::getenv("LAYERSTREAM_DECODE_BLOCKS");
+    if (v == nullptr || *v == '\0') return 0u;
+    char* end = nullptr;
+    const unsigned long n = std::strtoul(v, &end, 10);
+    LS_CHECK_ARG(end != v && *end == '\0' && n <= kMostDecodeBlocks, "LAYERSTREAM_DECODE_BLOCKS=", v,
+                 " is not a whole number of thread blocks from 0 (no limit) to ", kMostDecodeBlocks,
+                 "; unset it or give e.g. LAYERSTREAM_DECODE_BLOCKS=64");
+    return static_cast<unsigned>(n);
+  }()};
+  return blocks;
+}
+
 }  // namespace
+
+unsigned decode_blocks() { return decode_blocks_setting().load(std::memory_order_relaxed); }
+
+void set_decode_blocks(unsigned blocks) {
+  LS_CHECK_ARG(blocks <= kMostDecodeBlocks, "decode blocks: ", blocks, " is above the kernel's limit of ",
+               kMostDecodeBlocks, " (0: no limit)");
+  decode_blocks_setting().store(blocks, std::memory_order_relaxed);
+}
 
 std::optional<std::pair<at::Tensor, LosslessSpec>> lossless_pack(const at::Tensor& weight, bool only_if_smaller) {
   const at::Tensor exact = weight.detach().to(at::kCPU).contiguous();
@@ -613,14 +639,15 @@ std::optional<std::pair<at::Tensor, LosslessSpec>> lossless_pack(const at::Tenso
   return std::make_pair(std::move(codes), spec);
 }
 
-at::Tensor lossless_unpack(const at::Tensor& codes, const LosslessSpec& spec, c10::IntArrayRef sizes) {
+at::Tensor lossless_unpack(const at::Tensor& codes, const LosslessSpec& spec, c10::IntArrayRef sizes,
+                           unsigned max_blocks) {
   LS_CHECK_ARG(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                    static_cast<std::size_t>(codes.numel()) >= spec.bytes() &&
                    static_cast<std::size_t>(c10::multiply_integers(sizes)) == spec.count,
                "lossless_unpack: ", spec.bytes(), " contiguous uint8 bytes of ", spec.count, " values needed, not ",
                codes.numel(), " ", codes.scalar_type(), " for shape ", sizes);
   at::Tensor out = at::empty(sizes, codes.options().dtype(at::kBFloat16));
-  run_lossless_decode(spec, codes, out);
+  run_lossless_decode(spec, codes, out, max_blocks);
   return out;
 }
 
@@ -720,9 +747,10 @@ TransferEngine::FillHook StreamedLayer::fill_hook_locked() const {
   }
 #if defined(LAYERSTREAM_WITH_CUDA) && defined(LAYERSTREAM_TORCH_CUDA)
   const c10::DeviceIndex device = state_->device().index();
+  (void)decode_blocks();  // a bad LAYERSTREAM_DECODE_BLOCKS fails here, at the layer's registration
   return [spec, device](void* region, void* scratch, StreamHandle stream) {
     const c10::cuda::CUDAGuard guard(device);
-    lossless_decode_cuda(spec, region, scratch, stream.raw);
+    lossless_decode_cuda(spec, region, scratch, stream.raw, decode_blocks());
   };
 #else
   return {};

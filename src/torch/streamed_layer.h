@@ -45,8 +45,16 @@ at::Tensor dequantize_codes(const at::Tensor& codes, const at::Tensor& scale, at
 // when `only_if_smaller` and the packing would take at least the tensor's own bytes.
 std::optional<std::pair<at::Tensor, LosslessSpec>> lossless_pack(const at::Tensor& weight, bool only_if_smaller);
 // A contiguous bfloat16 tensor rebuilt from losslessly packed bytes (layerstream/lossless.h), on the bytes'
-// device: the CUDA kernels on torch's current stream, or the host reference.
-at::Tensor lossless_unpack(const at::Tensor& codes, const LosslessSpec& spec, c10::IntArrayRef sizes);
+// device: the CUDA kernels on torch's current stream (at most max_blocks thread blocks; 0: no limit), or the
+// host reference.
+at::Tensor lossless_unpack(const at::Tensor& codes, const LosslessSpec& spec, c10::IntArrayRef sizes,
+                           unsigned max_blocks = 0);
+// How many thread blocks a decode on the derive stream may use (0: as many as the values need). A decode
+// beside the backward's GEMMs takes SMs from them; a narrower one takes fewer, for longer, and only has to
+// keep ahead of the bus. LAYERSTREAM_DECODE_BLOCKS sets it at the first use; set_decode_blocks (the
+// benchmark's sweep) changes it for the decodes enqueued from then on.
+unsigned decode_blocks();
+void set_decode_blocks(unsigned blocks);
 
 // The quantized weights the fused path takes: int8/float8 codes with a float32/float16/bfloat16 scale,
 // one per output row (shape [out, 1, ...]) or one for the tensor.

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <utility>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -150,7 +151,9 @@ TEST_P(LosslessCuda, KernelsEqualTheReferenceBitForBit) {
   std::shuffle(all.begin(), all.end(), std::mt19937(5));
   inputs.push_back(all);
   for (const auto& v : inputs) {
-    for (std::size_t offset : {std::size_t{0}, std::size_t{4}}) {
+    // max_blocks 0: as many as the values need; 1 and 3: each block loops over many groups (the derive
+    // stream's narrow decode).
+    for (auto [offset, max_blocks] : {std::pair<std::size_t, unsigned>{0, 0}, {4, 0}, {0, 1}, {0, 3}, {4, 3}}) {
       LosslessSpec spec;
       const std::vector<std::uint8_t> buf = encode(v, &spec);
       void* d_block = backend().device_alloc(buf.size() + offset);
@@ -159,12 +162,13 @@ TEST_P(LosslessCuda, KernelsEqualTheReferenceBitForBit) {
       PinnedBuffer h_in(backend(), buf.size(), PinMethod::kHostAlloc);
       std::memcpy(h_in.data(), buf.data(), buf.size());
       backend().memcpy_h2d_async(d_in, h_in.data(), buf.size(), stream);
-      lossless_decode_cuda(spec, d_in, d_out, stream.raw);
+      lossless_decode_cuda(spec, d_in, d_out, stream.raw, max_blocks);
       const std::vector<unsigned char> got = read_back(d_out, v.size() * 2, stream);
       backend().device_free(d_block);
       backend().device_free(d_out);
       EXPECT_EQ(std::memcmp(got.data(), v.data(), got.size()), 0)
-          << v.size() << " values, " << spec.exceptions << " exceptions, offset " << offset;
+          << v.size() << " values, " << spec.exceptions << " exceptions, offset " << offset << ", at most "
+          << max_blocks << " blocks";
     }
   }
   backend().stream_destroy(stream);

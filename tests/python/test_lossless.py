@@ -6,6 +6,7 @@ packed bytes; the bus carries them."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -45,8 +46,19 @@ def _spread(w: torch.Tensor) -> None:
         flat[:4] = torch.tensor([0.0, -0.0, 1e-40, -3e-39], dtype=w.dtype)
 
 
+@pytest.fixture
+def decode_blocks(request):
+    """The limit on the decode's thread blocks for one test (0: none; 1: one block loops over the whole
+    weight, on the GPU), set back afterwards."""
+    before = mm._decode_blocks()
+    mm._set_decode_blocks(request.param)
+    yield request.param
+    mm._set_decode_blocks(before)
+
+
+@pytest.mark.parametrize("decode_blocks", [0, 1], indirect=True, ids=["all-blocks", "one-block"])
 @pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv"])
-def test_lossless_weights_cross_the_bus_packed_and_change_no_bit(engine, device, monkeypatch, conv):
+def test_lossless_weights_cross_the_bus_packed_and_change_no_bit(engine, device, monkeypatch, conv, decode_blocks):
     monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "lossless")
     clear_device_states()
     torch.manual_seed(12)
@@ -214,6 +226,27 @@ def test_the_pack_and_unpack_bindings_round_trip_and_refuse_a_wrong_shape(engine
         mm._lossless_unpack(packed, spec, [17, 34])
     with pytest.raises(ValueError, match="non-empty bfloat16 tensor, not Float"):
         mm._lossless_pack(weight.float())
+
+
+def test_the_decode_block_limit_refuses_what_the_kernel_cannot_launch(engine, device):
+    import subprocess
+    import sys
+
+    before = mm._decode_blocks()
+    with pytest.raises(ValueError, match="70000 is above the kernel's limit of 65536 \\(0: no limit\\)"):
+        mm._set_decode_blocks(70000)
+    assert mm._decode_blocks() == before
+    code = "from layerstream import manager_modules as mm; print(mm._decode_blocks())"
+    for value, expected in (("132", "132"), ("", "0")):
+        env = dict(os.environ, LAYERSTREAM_DECODE_BLOCKS=value)
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and done.stdout.strip() == expected, done.stderr
+    for bad in ("-3", "many", "70000"):
+        env = dict(os.environ, LAYERSTREAM_DECODE_BLOCKS=bad)
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0
+        assert (f"ValueError: LAYERSTREAM_DECODE_BLOCKS={bad} is not a whole number of thread blocks from 0 (no "
+                "limit) to 65536; unset it or give e.g. LAYERSTREAM_DECODE_BLOCKS=64") in done.stderr
 
 
 def test_fuzz_lossless_layers_under_delays_and_scrambled_copies(engine, device, monkeypatch):
