@@ -396,21 +396,23 @@ fi
 
 if want lossless && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   # LAYERSTREAM_HOST_DTYPE=lossless (frozen bf16 weights packed exactly, about 12 bits per value): the
-  # decoder's bandwidth, then layerstream alone on the runs LAYERSTREAM_LOSSLESS_RUNS picks (default both):
-  # flux1 = FLUX.1 100% streamed (about 1.5 minutes), flux2cap = FLUX.2 under a 24 GiB cap with that cap as
+  # decoder's bandwidth, then layerstream alone on the runs LAYERSTREAM_LOSSLESS_RUNS picks (default all
+  # three): decode = the decoder alone and beside GEMMs (dequant_bench.py), flux1 = FLUX.1 100% streamed (about 1.5 minutes), flux2cap = FLUX.2 under a 24 GiB cap with that cap as
   # its budget (about 3). The floors' compute times come from LAYERSTREAM_REFERENCE_JSON_FLUX1 and
   # LAYERSTREAM_REFERENCE_JSON_FLUX2 (runs with a resident row) when given. The decoder's bandwidth comes
   # with its cost to a GEMM chain beside it at several block limits (dequant_bench.py --contention).
   # LAYERSTREAM_LOSSLESS_ENVS (e.g. "LAYERSTREAM_RING_MB=6144 LAYERSTREAM_DECODE_BLOCKS=132") go to both
   # runs; LAYERSTREAM_DECODE_SWEEP (e.g. "0,264,66") adds --decode-blocks-sweep to the FLUX.2 run.
   ensure_installed
-  step "the lossless decoder on FLUX.1 layer shapes, and beside a GEMM chain"
-  run lossless_decode python3 benchmarks/dequant_bench.py --peak-gbs 4800 --contention \
-    --json-out "$OUT/lossless_decode.json"
-  grep -E "^lossless|^ +([0-9]+|all) " "$OUT/all.log" | tail -n 14 | sed 's/^/      /' >>"$OUT/summary.txt"
+  LRUNS=",${LAYERSTREAM_LOSSLESS_RUNS:-decode,flux1,flux2cap},"
+  if [[ $LRUNS == *,decode,* ]]; then
+    step "the lossless decoder on FLUX.1 layer shapes, and beside a GEMM chain"
+    run lossless_decode python3 benchmarks/dequant_bench.py --peak-gbs 4800 --contention \
+      --json-out "$OUT/lossless_decode.json"
+    grep -E "^lossless|^ +([0-9]+|all) " "$OUT/all.log" | tail -n 14 | sed 's/^/      /' >>"$OUT/summary.txt"
+  fi
   read -r -a LENVS <<<"${LAYERSTREAM_LOSSLESS_ENVS:-}"
   SWEEP=(); [[ -n ${LAYERSTREAM_DECODE_SWEEP:-} ]] && SWEEP=(--decode-blocks-sweep "$LAYERSTREAM_DECODE_SWEEP")
-  LRUNS=",${LAYERSTREAM_LOSSLESS_RUNS:-flux1,flux2cap},"
   if [[ $LRUNS == *,flux1,* ]]; then
     step "FLUX.1 100% streamed, layerstream with LAYERSTREAM_HOST_DTYPE=lossless"
     REF=(); [[ -n ${LAYERSTREAM_REFERENCE_JSON_FLUX1:-} ]] && REF=(--reference-json "$LAYERSTREAM_REFERENCE_JSON_FLUX1")
