@@ -397,8 +397,9 @@ fi
 if want lossless && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   # LAYERSTREAM_HOST_DTYPE=lossless (frozen bf16 weights packed exactly, about 12 bits per value): the
   # decoder's bandwidth, then layerstream alone on the runs LAYERSTREAM_LOSSLESS_RUNS picks (default all
-  # three): decode = the decoder alone and beside GEMMs (dequant_bench.py), flux1 = FLUX.1 100% streamed (about 1.5 minutes), flux2cap = FLUX.2 under a 24 GiB cap with that cap as
-  # its budget (about 3). The floors' compute times come from LAYERSTREAM_REFERENCE_JSON_FLUX1 and
+  # three): decode = the decoder alone and beside GEMMs (dequant_bench.py), flux1 = FLUX.1 100% streamed
+  # (about 1.5 minutes), flux1capN = FLUX.1 under an N GiB cap with that cap as its budget, flux2cap = FLUX.2
+  # under a 24 GiB cap with that cap as its budget (about 3). The floors' compute times come from LAYERSTREAM_REFERENCE_JSON_FLUX1 and
   # LAYERSTREAM_REFERENCE_JSON_FLUX2 (runs with a resident row) when given. The decoder's bandwidth comes
   # with its cost to a GEMM chain beside it at several block limits (dequant_bench.py --contention).
   # LAYERSTREAM_LOSSLESS_ENVS (e.g. "LAYERSTREAM_RING_MB=6144 LAYERSTREAM_DECODE_BLOCKS=132") go to both
@@ -419,6 +420,13 @@ if want lossless && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
     flux lossless_flux1 "${LENVS[@]}" --preset flux1 --mode layerstream --host-dtype lossless --warmup 3 --steps 4 \
       "${REF[@]}"
   fi
+  for item in ${LRUNS//,/ }; do
+    [[ $item == flux1cap* ]] || continue
+    step "FLUX.1 under a ${item#flux1cap} GiB cap, layerstream with LAYERSTREAM_HOST_DTYPE=lossless (budget = the cap)"
+    REF=(); [[ -n ${LAYERSTREAM_REFERENCE_JSON_FLUX1:-} ]] && REF=(--reference-json "$LAYERSTREAM_REFERENCE_JSON_FLUX1")
+    flux "lossless_$item" LAYERSTREAM_VRAM_BUDGET="${item#flux1cap}GiB" "${LENVS[@]}" --preset flux1 \
+      --mode layerstream --host-dtype lossless --vram-cap-gb "${item#flux1cap}" --warmup 3 --steps 4 "${REF[@]}"
+  done
   if [[ $LRUNS == *,flux2cap,* ]]; then
     step "FLUX.2 under a 24 GiB cap, layerstream with LAYERSTREAM_HOST_DTYPE=lossless (budget = the cap)"
     REF=(); [[ -n ${LAYERSTREAM_REFERENCE_JSON_FLUX2:-} ]] && REF=(--reference-json "$LAYERSTREAM_REFERENCE_JSON_FLUX2")
