@@ -99,6 +99,9 @@ class SimBackend final : public Backend {
   // Total accesses the checker has examined (tests use it to prove the checker saw the work).
   std::uint64_t checked_accesses() const;
   SimMemoryStats memory_stats() const;
+  // The next `count` memcpy_h2d_async calls throw Error (as a failed CUDA call does) before enqueuing
+  // anything: tests of what the engine does when a copy cannot be issued.
+  void fail_next_h2d_copies(int count);
 
  private:
   struct Impl;

@@ -87,6 +87,7 @@ struct SimBackend::Impl {
   sim::RaceChecker checker;
   std::map<void*, std::size_t> device_allocs;
   std::map<void*, std::size_t> pinned_allocs;
+  int failing_h2d_copies = 0;  // fail_next_h2d_copies
   std::map<void*, std::size_t> registered;
   std::size_t device_bytes = 0;
   std::size_t pinned_bytes = 0;  // allocated + registered, against pinned_capacity_bytes
@@ -403,12 +404,21 @@ void SimBackend::memcpy_h2d_async(void* device_dst, const void* host_src, std::s
   SimStream* s = Impl::as_stream(stream);
   LS_CHECK_ARG(device_dst != nullptr && host_src != nullptr, "memcpy_h2d_async: null pointer");
   std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->failing_h2d_copies > 0) {
+    --impl_->failing_h2d_copies;
+    throw Error("memcpy_h2d_async: a copy failure the simulator was asked for (fail_next_h2d_copies)");
+  }
   impl_->tick(*s);
   impl_->checker.access(s->actor, s->clock, host_src, bytes, false, "memcpy_h2d source");
   impl_->checker.access(s->actor, s->clock, device_dst, bytes, true, "memcpy_h2d destination");
   impl_->enqueue(*s, [this, s, device_dst, host_src, bytes] {
     impl_->copy_bytes(*s, device_dst, host_src, bytes);
   });
+}
+
+void SimBackend::fail_next_h2d_copies(int count) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->failing_h2d_copies = count;
 }
 
 void SimBackend::memcpy_d2h_async(void* host_dst, const void* device_src, std::size_t bytes,

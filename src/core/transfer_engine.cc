@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "layerstream/check.h"
+#include "layerstream/log.h"
 
 namespace layerstream {
 
@@ -245,7 +246,7 @@ Lease TransferEngine::fetch(LayerId id) {
     Eviction eviction;
     layer.region = ring_.place(footprint(layer), id, eviction);
     settle_eviction_locked(eviction);
-    copy_layer_locked(layer);
+    copy_layer_locked(layer, /*held=*/true);
     lease.copied = true;
   }
   layer.prefetched_unused = false;
@@ -270,7 +271,7 @@ bool TransferEngine::prefetch(LayerId id) {
   if (region == 0) return false;  // held regions leave no room now; the fetch will copy on demand
   layer.region = region;
   settle_eviction_locked(eviction);
-  copy_layer_locked(layer);
+  copy_layer_locked(layer, /*held=*/false);
   layer.prefetched_unused = true;
   ++stats_.prefetches;
   return true;
@@ -286,8 +287,15 @@ bool TransferEngine::make_resident(LayerId id) {
     return false;  // out of device memory: the layer keeps streaming
   }
   wait_derivation_on_h2d_locked(layer);
-  copy_in_locked(layer, layer.resident.data());
-  layer.copied.record(h2d_.get());
+  try {
+    copy_in_locked(layer, layer.resident.data());
+    layer.copied.record(h2d_.get());
+  } catch (...) {
+    // Not resident: a copy that could not be issued leaves no memory that a fetch would serve. The memory
+    // goes back in stream order after whatever part of the copy was enqueued.
+    layer.resident.reset();
+    throw;
+  }
   ++stats_.copies_h2d;
   stats_.bytes_h2d += layer.block.bytes;
   layer.resident_stale = false;
@@ -353,21 +361,50 @@ void TransferEngine::settle_eviction_locked(Eviction& eviction) {
   ring_.recycle(eviction.wait_events);
 }
 
-void TransferEngine::copy_layer_locked(Layer& layer) {
+void TransferEngine::copy_layer_locked(Layer& layer, bool held) {
   char* region = static_cast<char*>(ring_.info(layer.region).data);
-  copy_in_locked(layer, region);
-  layer.fill = next_fill();
-  if (layer.on_fill) {
-    // The derivation on its own stream: H2D goes on to the next copy while it runs.
-    layer.landed.record(h2d_.get());
-    backend_.stream_wait_event(derive_.get(), layer.landed.get());
-    layer.on_fill(region, region + layer.extra_offset, derive_.get());
-    layer.copied.record(derive_.get());
-  } else {
-    layer.copied.record(h2d_.get());
+  bool deriving = false;
+  try {
+    copy_in_locked(layer, region);
+    layer.fill = next_fill();
+    if (layer.on_fill) {
+      // The derivation on its own stream: H2D goes on to the next copy while it runs.
+      layer.landed.record(h2d_.get());
+      backend_.stream_wait_event(derive_.get(), layer.landed.get());
+      deriving = true;
+      layer.on_fill(region, region + layer.extra_offset, derive_.get());
+      layer.copied.record(derive_.get());
+    } else {
+      layer.copied.record(h2d_.get());
+    }
+  } catch (...) {
+    abandon_region_locked(layer, held, deriving);
+    throw;
   }
   ++stats_.copies_h2d;
   stats_.bytes_h2d += layer.block.bytes;
+}
+
+void TransferEngine::abandon_region_locked(Layer& layer, bool held, bool deriving) noexcept {
+  // A copy or a derivation that could not be enqueued (a failed CUDA call, a hook that threw): the region
+  // does not hold the layer's bytes, so no fetch may find it. `copied` is recorded after whatever part was
+  // enqueued, so that the region's next writer waits for it (discard_region_locked); then the hold this
+  // fetch took is dropped and the region discarded. The caller rethrows: the layer call fails with the
+  // cause, and the next fetch copies again.
+  try {
+    layer.copied.record(deriving ? derive_.get() : h2d_.get());
+  } catch (const std::exception& e) {
+    log(LogLevel::kError, std::string("layerstream: recording an event after a failed copy failed too: ") + e.what());
+  }
+  try {
+    if (held) ring_.release(layer.region, h2d_.get());
+    discard_region_locked(layer);
+  } catch (const std::exception& e) {
+    // The device is in a state where nothing is enqueued any more; the region stays out of use.
+    log(LogLevel::kError, std::string("layerstream: dropping a region after a failed copy failed: ") + e.what());
+    layer.region = 0;
+    layer.prefetched_unused = false;
+  }
 }
 
 void TransferEngine::wait_ready(const Lease& lease, StreamHandle consumer) {

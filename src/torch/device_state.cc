@@ -328,7 +328,13 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
 
 void DeviceState::note_use(LayerId layer) {
   bool plan_now = false, waits_for_training = false;
-  observe_and_prefetch(layer, plan_now, waits_for_training);
+  std::string prefetch_error;
+  observe_and_prefetch(layer, plan_now, waits_for_training, prefetch_error);
+  if (!prefetch_error.empty()) {
+    log_once("prefetch-failed", LogLevel::kWarning,
+             "layerstream: a copy ahead of need could not be issued (" + prefetch_error +
+                 "); such layers are copied when they are used instead, where an error that persists is raised");
+  }
   // Logged outside mu_, as the plan's report below: a Python log sink takes the GIL.
   if (waits_for_training) {
     log_once("vram-budget-waits-for-training", LogLevel::kInfo,
@@ -359,7 +365,8 @@ DeviceMemoryView DeviceState::memory_view() {
   return view;
 }
 
-void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now, bool& waits_for_training) {
+void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now, bool& waits_for_training,
+                                       std::string& prefetch_error) {
   if (!prefetch_ && !vram_budget_.enabled) return;
   std::lock_guard<std::mutex> lock(mu_);  // also keeps the engine from being rebuilt meanwhile
   if (!engine_) return;
@@ -406,7 +413,13 @@ void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now, bool& wait
     if (!bytes) break;  // that layer is gone (freed model): the prediction is stale
     planned += *bytes;
     if (planned > budget) break;
-    engine_->prefetch(next);
+    try {
+      engine_->prefetch(next);
+    } catch (const std::exception& e) {
+      // The engine left nothing of it in the ring; the layer's own fetch copies it (and raises what persists).
+      prefetch_error = e.what();
+      break;
+    }
   }
 }
 

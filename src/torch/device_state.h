@@ -214,7 +214,8 @@ class DeviceState {
   std::unordered_set<const void*> planned_resident_;
   // Takes mu_. plan_now: the budget is to be planned now; waits_for_training: say that it waits for a
   // training step (both done by the caller, outside mu_).
-  void observe_and_prefetch(LayerId layer, bool& plan_now, bool& waits_for_training);
+  // prefetch_error: what a failed copy ahead of need raised (the caller logs it once, outside mu_).
+  void observe_and_prefetch(LayerId layer, bool& plan_now, bool& waits_for_training, std::string& prefetch_error);
   DeviceMemoryView memory_view();
   std::string apply_vram_budget_locked(const DeviceMemoryView& view);  // the line to log
   // A layer's packed bytes, or with in_ring what it takes in the ring (its scratch too); nullopt: removed

@@ -27,6 +27,7 @@
 #include "host_share.h"
 #include "layerstream/check.h"
 #include "layerstream/log.h"
+#include "layerstream/sim_backend.h"
 #include "streamed_layer.h"
 
 #ifdef LAYERSTREAM_TORCH_CUDA
@@ -769,6 +770,16 @@ PYBIND11_MODULE(manager_modules, m) {
       .def_property_readonly("description", [](const DeviceStateHandle& h) { return h.state->describe(); })
       .def("stats", [](DeviceStateHandle& h) { return stats_dict(h.state->stats()); },
            "This device's counters: bytes moved, reuse, host memory, leases outstanding.")
+      .def("_sim_fail_next_copies",
+           [](DeviceStateHandle& h, int count) {
+             auto* sim = dynamic_cast<SimBackend*>(&h.state->backend());
+             LS_CHECK_ARG(sim != nullptr, "_sim_fail_next_copies: this device state does not run on the simulator "
+                          "(LAYERSTREAM_BACKEND=sim)");
+             sim->fail_next_h2d_copies(count);
+           },
+           py::arg("count"),
+           "Simulator only: the next `count` host-to-device copies fail to be issued (as a failed CUDA call "
+           "would). For tests.")
       .def("__repr__", [](const DeviceStateHandle& h) { return "<layerstream DeviceState " + h.state->describe() + ">"; });
 
   class_of(Which::kLinear) = m.attr("LinearLayerMemoryManager");

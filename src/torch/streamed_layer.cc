@@ -762,12 +762,12 @@ auto StreamedLayer::with_region(Fn&& fn) {
   TransferEngine& engine = registered_engine();
   const StreamHandle consumer = state_->consumer_stream();
   const Lease lease = engine.fetch(id_);
-  state_->note_use(id_);  // after the fetch holds this layer, so prefetches cannot displace it
   const bool on_host = state_->mode() == Mode::kSim;
   const at::Device where = on_host ? at::Device(at::kCPU) : state_->device();
   // A view of one packed tensor in the fetched region.
   auto view = [&](const Packed& p) { return view_of(static_cast<char*>(lease.data), p, where); };
   try {  // from here on, every exit releases the lease
+    state_->note_use(id_);  // after the fetch holds this layer, so prefetches cannot displace it
     if (on_host) {
       engine.wait_ready_host(lease);
       state_->backend().annotate_host_access(lease.data, lease.bytes, false);

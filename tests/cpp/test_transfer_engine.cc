@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <string>
 
 #include "backends.h"
 #include "layerstream/check.h"
+#include "layerstream/sim_backend.h"
 #include "layerstream/transfer_engine.h"
 
 namespace layerstream::testing {
@@ -330,6 +332,93 @@ TEST_P(TransferEngineTest, FillHookDerivesTheScratchBeforeTheLeaseIsReady) {
 
   // A hook derives scratch: a layer with none cannot have one.
   EXPECT_THROW(engine.add_external_layer(external(100, 3), 0, [](void*, void*, StreamHandle) {}), InvalidArgument);
+}
+
+// A fill hook that throws (the decode kernel failed to launch) after its region was placed and copied
+// into: the fetch (or prefetch) fails with the hook's error, no region is left held or findable, and the
+// next fetch copies and derives again. Before, the region stayed held by a lease nobody had (the ring
+// shrank for good) and the next fetch reused it with its scratch never derived.
+TEST_P(TransferEngineTest, AFillHookThatThrowsLeavesNoRegionBehindAndTheNextFetchCopiesAgain) {
+  const std::size_t ring = 1 << 16;
+  TransferEngine engine(backend(), small_options(ring));
+  PinnedArena host(backend());
+  PinnedBuffer derived(backend(), 3000, PinMethod::kHostAlloc);
+  std::memset(derived.data(), 0x3C, 3000);
+  int calls = 0;
+  bool fail = true;
+  const HostBlock block = filled_block(host, 1000, 1);
+  const std::vector<unsigned char> bytes(static_cast<unsigned char*>(block.data),
+                                         static_cast<unsigned char*>(block.data) + 1000);
+  const LayerId a = engine.add_external_layer(block, 3000, [&](void*, void* scratch, StreamHandle stream) {
+    ++calls;
+    if (fail) throw Error("the decode kernel could not be launched");
+    backend().memcpy_h2d_async(scratch, derived.data(), 3000, stream);
+  });
+  // As large as the ring: it fits only where no region is held.
+  const LayerId whole = engine.add_external_layer(filled_block(host, ring, 2));
+  const std::vector<unsigned char> expected(3000, 0x3C);
+
+  for (bool prefetch : {false, true}) {
+    try {
+      if (prefetch) {
+        engine.prefetch(a);
+      } else {
+        engine.fetch(a);
+      }
+      FAIL() << "the hook's error was not raised";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("could not be launched"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(engine.stats().leases_outstanding, 0u);
+    EXPECT_FALSE(engine.on_device(a));
+    use(engine, whole);  // the failed region is neither held nor in the way
+    fail = false;
+    const int before = calls;
+    Lease again = engine.fetch(a);
+    engine.wait_ready(again, compute_.get());
+    EXPECT_TRUE(again.copied);
+    EXPECT_EQ(calls, before + 1);
+    EXPECT_EQ(read_back(again.data, 1000, compute_.get()), bytes);
+    EXPECT_EQ(read_back(again.extra, 3000, compute_.get()), expected);
+    engine.release(again, compute_.get());
+    use(engine, whole);  // a's region goes
+    fail = true;
+  }
+  EXPECT_EQ(engine.stats().leases_outstanding, 0u);
+}
+
+// A copy that cannot be issued (the simulator fails the call, as a failed cudaMemcpyAsync would): the
+// fetch, the prefetch and the resident copy each fail with its error and leave nothing that a later fetch
+// would serve; the next ones copy and deliver the exact bytes.
+TEST_P(TransferEngineTest, ACopyThatCannotBeIssuedLeavesNothingAFetchWouldServe) {
+  auto* sim = dynamic_cast<SimBackend*>(&backend());
+  if (sim == nullptr) GTEST_SKIP() << "the simulator injects the failure";
+  const std::size_t ring = 1 << 16;
+  TransferEngine engine(backend(), small_options(ring));
+  const LayerId a = engine.add_layer(5000);
+  const LayerId whole = engine.add_layer(ring);
+  fill(engine, a, 3);
+  fill(engine, whole, 4);
+  sim->fail_next_h2d_copies(1);
+  EXPECT_THROW(engine.fetch(a), Error);
+  EXPECT_FALSE(engine.on_device(a));
+  EXPECT_EQ(use(engine, whole), host_bytes(engine, whole));  // nothing held in the ring
+  sim->fail_next_h2d_copies(1);
+  EXPECT_THROW(engine.prefetch(a), Error);
+  EXPECT_FALSE(engine.on_device(a));
+  Lease l;
+  EXPECT_EQ(use(engine, a, &l), host_bytes(engine, a));
+  EXPECT_TRUE(l.copied);
+  sim->fail_next_h2d_copies(1);
+  EXPECT_THROW(engine.make_resident(a), Error);
+  EXPECT_FALSE(engine.resident(a));
+  EXPECT_EQ(engine.stats().resident_layers, 0u);
+  EXPECT_EQ(use(engine, whole), host_bytes(engine, whole));
+  ASSERT_TRUE(engine.make_resident(a));
+  EXPECT_EQ(use(engine, a), host_bytes(engine, a));
+  EXPECT_EQ(engine.stats().leases_outstanding, 0u);
+  sim->synchronize_all();
+  EXPECT_EQ(sim->violation_count(), 0u);
 }
 
 LS_INSTANTIATE_ON_BACKENDS(TransferEngineTest);
