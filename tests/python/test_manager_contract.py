@@ -371,6 +371,19 @@ def test_prefetch_learns_the_step_order_without_changing_results(engine, device,
     assert stats["prefetch_hits"] > 0.5 * stats["prefetches"]
 
 
+def _reference_then_managed(device, seed, steps, train):
+    """A checkpointed 4-layer TinyTransformer of `seed`: the losses of `steps` LoRA steps of `train` on an
+    all-resident copy, then a managed copy with its own LoRA; returns (losses, model, LoRA, device state)."""
+    torch.manual_seed(seed)
+    base = TinyTransformer(d=256, ff=512, layers=4, checkpointing="non_reentrant").requires_grad_(False)
+    resident = copy.deepcopy(base)
+    ref_losses = train(resident, apply_lora(resident), device, steps)
+    managed = copy.deepcopy(base)
+    ContractManager.attach(mm, managed, device).to_device()
+    loras = apply_lora(managed)
+    return ref_losses, managed, loras, mm._DEVICE_STATE[device]
+
+
 @pytest.mark.parametrize("prefetch", ["0", "1"], ids=["on-demand", "ahead-of-need"])
 def test_a_copy_that_cannot_be_issued_fails_only_its_call_and_training_goes_on_exactly(engine, device, prefetch,
                                                                                       monkeypatch, caplog):
@@ -384,14 +397,7 @@ def test_a_copy_that_cannot_be_issued_fails_only_its_call_and_training_goes_on_e
         pytest.skip("the simulator injects the failure")
     monkeypatch.setenv("LAYERSTREAM_PREFETCH", prefetch)
     monkeypatch.setenv("LAYERSTREAM_RING_MB", "4")  # half the model: layers come and go every step
-    torch.manual_seed(8)
-    base = TinyTransformer(d=256, ff=512, layers=4, checkpointing="non_reentrant").requires_grad_(False)
-    resident = copy.deepcopy(base)
-    ref_losses = train_lora(resident, apply_lora(resident), device, 5)
-    managed = copy.deepcopy(base)
-    ContractManager.attach(mm, managed, device).to_device()
-    loras = apply_lora(managed)
-    state = mm._DEVICE_STATE[device]
+    ref_losses, managed, loras, state = _reference_then_managed(device, 8, 5, train_lora)
     opt = torch.optim.AdamW([p for lo in loras for p in lo.parameters()], lr=1e-2)
     g = torch.Generator().manual_seed(10)  # train_lora's inputs
     losses, failed_calls = [], 0
@@ -682,14 +688,7 @@ def test_vram_budget_plans_from_training_steps_not_from_the_samples_before_them(
         pytest.skip("a fixed budget on a real GPU depends on what the process already holds; CPU has no ring")
     clear_device_states()
     monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "3MiB")
-    torch.manual_seed(9)
-    base = TinyTransformer(d=256, ff=512, layers=4, checkpointing="non_reentrant").requires_grad_(False)
-    resident = copy.deepcopy(base)
-    ref_losses = _steps(resident, apply_lora(resident), device, 4)
-    managed = copy.deepcopy(base)
-    ContractManager.attach(mm, managed, device).to_device()
-    loras = apply_lora(managed)
-    state = mm._DEVICE_STATE[device]
+    ref_losses, managed, loras, state = _reference_then_managed(device, 9, 4, _steps)
     g = torch.Generator().manual_seed(5)
     with caplog.at_level(logging.INFO, logger="layerstream"), torch.no_grad():
         for _ in range(12):  # far more repetitions than the plan needs from training steps
