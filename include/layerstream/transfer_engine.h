@@ -214,12 +214,15 @@ class TransferEngine {
   void copy_in_locked(const Layer& layer, void* device_dst);
   // Waits (on H2D) for what a placement displaced and forgets the evicted layers' regions.
   void settle_eviction_locked(Eviction& eviction);
-  // Copies the layer into its freshly placed region (held by this fetch, or unheld for a prefetch) and
-  // records `copied`. When the copy or the fill hook throws, the region is abandoned before the rethrow.
-  void copy_layer_locked(Layer& layer, bool held);
+  // Settles what the placement evicted, copies the layer into its freshly placed region (held by this
+  // fetch, or unheld for a prefetch) and records `copied`. When any of it throws, the region is abandoned
+  // before the rethrow.
+  void copy_layer_locked(Layer& layer, bool held, Eviction& eviction);
   // After a failed copy or derivation: `copied` after what was enqueued, the hold dropped, the region
   // discarded (so that no fetch serves it). Never throws (it runs while an exception propagates).
   void abandon_region_locked(Layer& layer, bool held, bool deriving) noexcept;
+  // After a copy into a resident buffer failed: `copied` on H2D, after the part that was enqueued.
+  void record_after_failed_copy_locked(Layer& layer) noexcept;
   // Resident copies: make the H2D stream wait for the copy's readers, or the host (before freeing).
   void wait_resident_readers_on_h2d_locked(Layer& layer);
   // H2D waits for a pending derivation (fill hook): before its region is written again, or `copied` is

@@ -7,7 +7,6 @@
 #include <cstring>
 
 #include "layerstream/check.h"
-#include "layerstream/log.h"
 
 namespace layerstream {
 
@@ -222,7 +221,13 @@ Lease TransferEngine::fetch(LayerId id) {
     if (layer.resident_stale) {
       wait_resident_readers_on_h2d_locked(layer);
       wait_derivation_on_h2d_locked(layer);
-      copy_in_locked(layer, layer.resident.data());
+      try {
+        copy_in_locked(layer, layer.resident.data());
+      } catch (...) {
+        // Still stale (copied again at the next fetch); `copied` after the part enqueued, for whoever frees it.
+        record_after_failed_copy_locked(layer);
+        throw;
+      }
       layer.copied.record(h2d_.get());
       ++stats_.copies_h2d;
       stats_.bytes_h2d += layer.block.bytes;
@@ -245,8 +250,7 @@ Lease TransferEngine::fetch(LayerId id) {
   } else {
     Eviction eviction;
     layer.region = ring_.place(footprint(layer), id, eviction);
-    settle_eviction_locked(eviction);
-    copy_layer_locked(layer, /*held=*/true);
+    copy_layer_locked(layer, /*held=*/true, eviction);
     lease.copied = true;
   }
   layer.prefetched_unused = false;
@@ -270,8 +274,7 @@ bool TransferEngine::prefetch(LayerId id) {
   const RegionId region = ring_.try_place_unheld(footprint(layer), id, eviction);
   if (region == 0) return false;  // held regions leave no room now; the fetch will copy on demand
   layer.region = region;
-  settle_eviction_locked(eviction);
-  copy_layer_locked(layer, /*held=*/false);
+  copy_layer_locked(layer, /*held=*/false, eviction);
   layer.prefetched_unused = true;
   ++stats_.prefetches;
   return true;
@@ -286,13 +289,19 @@ bool TransferEngine::make_resident(LayerId id) {
   } catch (const Error&) {
     return false;  // out of device memory: the layer keeps streaming
   }
-  wait_derivation_on_h2d_locked(layer);
   try {
+    wait_derivation_on_h2d_locked(layer);
     copy_in_locked(layer, layer.resident.data());
     layer.copied.record(h2d_.get());
   } catch (...) {
     // Not resident: a copy that could not be issued leaves no memory that a fetch would serve. The memory
-    // goes back in stream order after whatever part of the copy was enqueued.
+    // goes back to an allocator that does not order it after H2D (drop_resident_locked), so the host waits
+    // for whatever part of the copy was enqueued first.
+    record_after_failed_copy_locked(layer);
+    try {
+      layer.copied.synchronize();
+    } catch (...) {  // the device fails every call now: nothing it runs can still write the buffer
+    }
     layer.resident.reset();
     throw;
   }
@@ -361,10 +370,11 @@ void TransferEngine::settle_eviction_locked(Eviction& eviction) {
   ring_.recycle(eviction.wait_events);
 }
 
-void TransferEngine::copy_layer_locked(Layer& layer, bool held) {
+void TransferEngine::copy_layer_locked(Layer& layer, bool held, Eviction& eviction) {
   char* region = static_cast<char*>(ring_.info(layer.region).data);
   bool deriving = false;
   try {
+    settle_eviction_locked(eviction);
     copy_in_locked(layer, region);
     layer.fill = next_fill();
     if (layer.on_fill) {
@@ -385,23 +395,31 @@ void TransferEngine::copy_layer_locked(Layer& layer, bool held) {
   stats_.bytes_h2d += layer.block.bytes;
 }
 
+void TransferEngine::record_after_failed_copy_locked(Layer& layer) noexcept {
+  try {
+    layer.copied.record(h2d_.get());
+  } catch (...) {
+    // The device no longer takes work: nothing was enqueued after the failure either.
+  }
+}
+
 void TransferEngine::abandon_region_locked(Layer& layer, bool held, bool deriving) noexcept {
   // A copy or a derivation that could not be enqueued (a failed CUDA call, a hook that threw): the region
   // does not hold the layer's bytes, so no fetch may find it. `copied` is recorded after whatever part was
   // enqueued, so that the region's next writer waits for it (discard_region_locked); then the hold this
   // fetch took is dropped and the region discarded. The caller rethrows: the layer call fails with the
-  // cause, and the next fetch copies again.
+  // cause, and the next fetch copies again. Nothing is logged here (a log sink may take the GIL, and mu_
+  // is held); what failed is the rethrown error.
   try {
     layer.copied.record(deriving ? derive_.get() : h2d_.get());
-  } catch (const std::exception& e) {
-    log(LogLevel::kError, std::string("layerstream: recording an event after a failed copy failed too: ") + e.what());
+  } catch (...) {
+    // The device no longer takes work; the region is dropped below all the same.
   }
   try {
     if (held) ring_.release(layer.region, h2d_.get());
     discard_region_locked(layer);
-  } catch (const std::exception& e) {
-    // The device is in a state where nothing is enqueued any more; the region stays out of use.
-    log(LogLevel::kError, std::string("layerstream: dropping a region after a failed copy failed: ") + e.what());
+  } catch (...) {
+    // Nothing more can be enqueued: the region stays out of use (placement skips it if still held).
     layer.region = 0;
     layer.prefetched_unused = false;
   }

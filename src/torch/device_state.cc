@@ -493,13 +493,20 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
   const bool rebuild = plan.ring_bytes != ring;
   planned_ring_bytes_ = rebuild ? plan.ring_bytes : 0;
   planned_resident_.clear();
-  std::size_t kept = 0, kept_bytes = 0, streamed = 0;
+  std::size_t kept = 0, kept_bytes = 0, streamed = 0, not_copied = 0;
+  std::string copy_error;
   for (std::size_t i = 0; i < ids.size(); ++i) {
     bool keep = plan.resident[i];
     if (keep && rebuild) {
       planned_resident_.insert(engine_->host_block(ids[i]).data);
     } else if (keep) {
-      keep = engine_->make_resident(ids[i]);
+      try {
+        keep = engine_->make_resident(ids[i]);
+      } catch (const std::exception& e) {  // its copy could not be issued: it streams (and the plan goes on)
+        keep = false;
+        ++not_copied;
+        copy_error = e.what();
+      }
     }
     if (keep) {
       ++kept;
@@ -516,7 +523,10 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
   return detail::concat("layerstream VRAM budget on ", describe(), ": ", view.limit / kMiB, " MiB",
                         vram_budget_.automatic ? " (auto)" : "", ", peak ", view.peak / kMiB,
                         " MiB over the first step, 5% headroom: ", kept, " layers (", kept_bytes / kMiB,
-                        " MiB) stay on the device, ", streamed, " stream", ring_note);
+                        " MiB) stay on the device, ", streamed, " stream", ring_note,
+                        not_copied > 0 ? detail::concat(" (", not_copied, " of them planned to stay, but their "
+                                                        "copy could not be issued: ", copy_error, ")")
+                                       : std::string());
 }
 
 TransferEngine* DeviceState::current_engine() {

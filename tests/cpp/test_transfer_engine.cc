@@ -387,6 +387,32 @@ TEST_P(TransferEngineTest, AFillHookThatThrowsLeavesNoRegionBehindAndTheNextFetc
   EXPECT_EQ(engine.stats().leases_outstanding, 0u);
 }
 
+// A fill hook that enqueued part of its derivation on the derive stream and then threw: the region's next
+// writer must wait for that part (the abandoned region's `copied` is recorded on the derive stream, not on
+// H2D). The race checker sees the scratch written on the derive stream and then overwritten by the next
+// copy into the same ring memory; recorded on H2D instead, it reports the race.
+TEST_P(TransferEngineTest, AHookThatThrowsAfterEnqueuingWorkIsWaitedForBeforeTheMemoryIsReused) {
+  auto* sim = dynamic_cast<SimBackend*>(&backend());
+  if (sim == nullptr) GTEST_SKIP() << "the simulator's race checker sees the order";
+  const std::size_t ring = 1 << 16;
+  TransferEngine engine(backend(), small_options(ring));
+  PinnedArena host(backend());
+  PinnedBuffer derived(backend(), 3000, PinMethod::kHostAlloc);
+  std::memset(derived.data(), 0x5A, 3000);
+  const LayerId a = engine.add_external_layer(filled_block(host, 1000, 1), 3000,
+                                              [&](void*, void* scratch, StreamHandle stream) {
+                                                backend().memcpy_h2d_async(scratch, derived.data(), 3000, stream);
+                                                throw Error("the second kernel could not be launched");
+                                              });
+  const LayerId whole = engine.add_external_layer(filled_block(host, ring, 2));
+  EXPECT_THROW(engine.fetch(a), Error);
+  EXPECT_FALSE(engine.on_device(a));
+  use(engine, whole);  // over the memory the derivation wrote
+  sim->synchronize_all();
+  EXPECT_EQ(sim->violation_count(), 0u);
+  for (const std::string& v : sim->violations()) ADD_FAILURE() << v;
+}
+
 // A copy that cannot be issued (the simulator fails the call, as a failed cudaMemcpyAsync would): the
 // fetch, the prefetch and the resident copy each fail with its error and leave nothing that a later fetch
 // would serve; the next ones copy and deliver the exact bytes.
