@@ -221,8 +221,9 @@ class TransferEngine {
   // After a failed copy or derivation: `copied` after what was enqueued, the hold dropped, the region
   // discarded (so that no fetch serves it). Never throws (it runs while an exception propagates).
   void abandon_region_locked(Layer& layer, bool held, bool deriving) noexcept;
-  // After a copy into a resident buffer failed: `copied` on H2D, after the part that was enqueued.
-  void record_after_failed_copy_locked(Layer& layer) noexcept;
+  // After a failed copy or derivation: `copied` on `stream` (H2D, or derive_ once the hook ran), after the
+  // part that was enqueued. Never throws (a device that takes no more work enqueued nothing more either).
+  void record_after_failed_copy_locked(Layer& layer, StreamHandle stream) noexcept;
   // Resident copies: make the H2D stream wait for the copy's readers, or the host (before freeing).
   void wait_resident_readers_on_h2d_locked(Layer& layer);
   // H2D waits for a pending derivation (fill hook): before its region is written again, or `copied` is

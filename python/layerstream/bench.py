@@ -529,6 +529,15 @@ def phase_split(model, inputs, optimizer, sync_grads, device, stats) -> dict:
             "forward_bytes": b1 - b0 if both else None, "backward_bytes": b2 - b1 if both else None}
 
 
+def _timed(step, device: torch.device):
+    """step() between two device synchronizations: (its result, wall seconds)."""
+    _sync(device)
+    t0 = time.perf_counter()
+    result = step()
+    _sync(device)
+    return result, time.perf_counter() - t0
+
+
 def decode_blocks_sweep(args, mode, one_step, device, model, inputs, optimizer, sync_grads) -> list[dict] | None:
     """--decode-blocks-sweep: after the timed steps, the same model again at each limit on the lossless
     decode's thread blocks (one step to settle, then --steps timed, then a phase split): the settings
@@ -543,13 +552,7 @@ def decode_blocks_sweep(args, mode, one_step, device, model, inputs, optimizer, 
         for blocks in (int(b) for b in args.decode_blocks_sweep.split(",")):
             mm._set_decode_blocks(blocks)
             one_step()
-            times = []
-            for _ in range(args.steps):
-                _sync(device)
-                t0 = time.perf_counter()
-                one_step()
-                _sync(device)
-                times.append(time.perf_counter() - t0)
+            times = [_timed(one_step, device)[1] for _ in range(args.steps)]
             phases = phase_split(model, inputs, optimizer, sync_grads, device, None)
             results.append({"decode_blocks": blocks, "s_per_step_mean": sum(times) / len(times),
                             "s_per_step_min": min(times), "step_times_s": times, "phases": phases})
@@ -719,10 +722,7 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
         _sync(device)
         if step == args.warmup and nvml is not None:
             energy_start = nvml.energy_mj()
-        t0 = time.perf_counter()
-        loss = one_step()
-        _sync(device)
-        elapsed = time.perf_counter() - t0
+        loss, elapsed = _timed(one_step, device)
         losses.append(loss.item())
         if step >= args.warmup:
             times.append(elapsed)

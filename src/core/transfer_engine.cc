@@ -225,7 +225,7 @@ Lease TransferEngine::fetch(LayerId id) {
         copy_in_locked(layer, layer.resident.data());
       } catch (...) {
         // Still stale (copied again at the next fetch); `copied` after the part enqueued, for whoever frees it.
-        record_after_failed_copy_locked(layer);
+        record_after_failed_copy_locked(layer, h2d_.get());
         throw;
       }
       layer.copied.record(h2d_.get());
@@ -297,7 +297,7 @@ bool TransferEngine::make_resident(LayerId id) {
     // Not resident: a copy that could not be issued leaves no memory that a fetch would serve. The memory
     // goes back to an allocator that does not order it after H2D (drop_resident_locked), so the host waits
     // for whatever part of the copy was enqueued first.
-    record_after_failed_copy_locked(layer);
+    record_after_failed_copy_locked(layer, h2d_.get());
     try {
       layer.copied.synchronize();
     } catch (...) {  // the device fails every call now: nothing it runs can still write the buffer
@@ -395,9 +395,9 @@ void TransferEngine::copy_layer_locked(Layer& layer, bool held, Eviction& evicti
   stats_.bytes_h2d += layer.block.bytes;
 }
 
-void TransferEngine::record_after_failed_copy_locked(Layer& layer) noexcept {
+void TransferEngine::record_after_failed_copy_locked(Layer& layer, StreamHandle stream) noexcept {
   try {
-    layer.copied.record(h2d_.get());
+    layer.copied.record(stream);
   } catch (...) {
     // The device no longer takes work: nothing was enqueued after the failure either.
   }
@@ -410,11 +410,7 @@ void TransferEngine::abandon_region_locked(Layer& layer, bool held, bool derivin
   // fetch took is dropped and the region discarded. The caller rethrows: the layer call fails with the
   // cause, and the next fetch copies again. Nothing is logged here (a log sink may take the GIL, and mu_
   // is held); what failed is the rethrown error.
-  try {
-    layer.copied.record(deriving ? derive_.get() : h2d_.get());
-  } catch (...) {
-    // The device no longer takes work; the region is dropped below all the same.
-  }
+  record_after_failed_copy_locked(layer, deriving ? derive_.get() : h2d_.get());
   try {
     if (held) ring_.release(layer.region, h2d_.get());
     discard_region_locked(layer);

@@ -38,18 +38,6 @@ std::vector<std::weak_ptr<DeviceState>>& registry() {
   return *r;
 }
 
-// A whole number from the environment (`unit` names what it counts, for the message); nullopt when unset.
-std::optional<std::size_t> env_whole(const char* name, bool allow_zero, const char* unit, const char* example) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return std::nullopt;
-  char* end = nullptr;
-  const unsigned long long n = std::strtoull(v, &end, 10);
-  LS_CHECK_ARG(end != v && *end == '\0' && (n > 0 || allow_zero), name, "=", v, " is not a ",
-               allow_zero ? "" : "positive ", "whole number of ", unit, "; unset it or give e.g. ", name, "=",
-               example);
-  return static_cast<std::size_t>(n);
-}
-
 std::size_t env_mib(const char* name, std::size_t fallback, bool allow_zero = false) {
   const std::optional<std::size_t> mib = env_whole(name, allow_zero, "MiB", "1024");
   return mib ? *mib * kMiB : fallback;
@@ -80,6 +68,18 @@ cudaStream_t allocation_stream(c10::DeviceIndex index) {
 #endif
 
 }  // namespace
+
+std::optional<std::size_t> env_whole(const char* name, bool allow_zero, const char* unit, const char* example,
+                                     std::size_t most) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  char* end = nullptr;
+  const unsigned long long n = std::strtoull(v, &end, 10);
+  LS_CHECK_ARG(end != v && *end == '\0' && (n > 0 || allow_zero) && n <= most, name, "=", v, " is not a ",
+               allow_zero ? "" : "positive ", "whole number of ", unit, "; unset it or give e.g. ", name, "=",
+               example);
+  return static_cast<std::size_t>(n);
+}
 
 VramBudget VramBudget::parse(const char* text) {
   VramBudget b;

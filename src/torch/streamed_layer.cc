@@ -605,14 +605,10 @@ constexpr unsigned kMostDecodeBlocks = 1u << 16;  // the kernel's own limit
 
 std::atomic<unsigned>& decode_blocks_setting() {
   static std::atomic<unsigned> blocks{[] {
-    const char* v = std::getenv("LAYERSTREAM_DECODE_BLOCKS");
-    if (v == nullptr || *v == '\0') return 0u;
-    char* end = nullptr;
-    const unsigned long n = std::strtoul(v, &end, 10);
-    LS_CHECK_ARG(end != v && *end == '\0' && n <= kMostDecodeBlocks, "LAYERSTREAM_DECODE_BLOCKS=", v,
-                 " is not a whole number of thread blocks from 0 (no limit) to ", kMostDecodeBlocks,
-                 "; unset it or give e.g. LAYERSTREAM_DECODE_BLOCKS=64");
-    return static_cast<unsigned>(n);
+    const std::string unit = detail::concat("thread blocks from 0 (no limit) to ", kMostDecodeBlocks);
+    return static_cast<unsigned>(
+        env_whole("LAYERSTREAM_DECODE_BLOCKS", /*allow_zero=*/true, unit.c_str(), "64", kMostDecodeBlocks)
+            .value_or(0));
   }()};
   return blocks;
 }
