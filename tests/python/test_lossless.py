@@ -228,7 +228,7 @@ def test_the_pack_and_unpack_bindings_round_trip_and_refuse_a_wrong_shape(engine
         mm._lossless_pack(weight.float())
 
 
-def test_the_decode_block_limit_refuses_what_the_kernel_cannot_launch(engine, device):
+def test_the_decode_block_limit_refuses_what_the_kernel_cannot_launch():
     import subprocess
     import sys
 
