@@ -398,12 +398,13 @@ if want lossless && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   # LAYERSTREAM_HOST_DTYPE=lossless (frozen bf16 weights packed exactly, about 12 bits per value): the
   # decoder's bandwidth, then layerstream alone on the runs LAYERSTREAM_LOSSLESS_RUNS picks (default all
   # three): decode = the decoder alone and beside GEMMs (dequant_bench.py), flux1 = FLUX.1 100% streamed
-  # (about 1.5 minutes), flux1capN = FLUX.1 under an N GiB cap with that cap as its budget, flux2cap = FLUX.2
-  # under a 24 GiB cap with that cap as its budget (about 3). The floors' compute times come from LAYERSTREAM_REFERENCE_JSON_FLUX1 and
-  # LAYERSTREAM_REFERENCE_JSON_FLUX2 (runs with a resident row) when given. The decoder's bandwidth comes
-  # with its cost to a GEMM chain beside it at several block limits (dequant_bench.py --contention).
-  # LAYERSTREAM_LOSSLESS_ENVS (e.g. "LAYERSTREAM_RING_MB=6144 LAYERSTREAM_DECODE_BLOCKS=132") go to both
-  # runs; LAYERSTREAM_DECODE_SWEEP (e.g. "0,264,66") adds --decode-blocks-sweep to the FLUX.2 run.
+  # (about 1.5 minutes), flux1capN = FLUX.1 under an N GiB cap with that cap as its budget, flux2cap =
+  # FLUX.2 under a 24 GiB cap with that cap as its budget (about 3). The floors' compute times come from
+  # LAYERSTREAM_REFERENCE_JSON_FLUX1 and LAYERSTREAM_REFERENCE_JSON_FLUX2 (runs with a resident row) when
+  # given. The decoder's bandwidth comes with its cost to a GEMM chain beside it at several block limits
+  # (dequant_bench.py --contention). LAYERSTREAM_LOSSLESS_ENVS (e.g. "LAYERSTREAM_RING_MB=6144
+  # LAYERSTREAM_DECODE_BLOCKS=132") go to every FLUX run; LAYERSTREAM_DECODE_SWEEP (e.g. "0,264,66") adds
+  # --decode-blocks-sweep to the FLUX.2 run.
   ensure_installed
   LRUNS=",${LAYERSTREAM_LOSSLESS_RUNS:-decode,flux1,flux2cap},"
   if [[ $LRUNS == *,decode,* ]]; then
@@ -414,24 +415,23 @@ if want lossless && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   fi
   read -r -a LENVS <<<"${LAYERSTREAM_LOSSLESS_ENVS:-}"
   SWEEP=(); [[ -n ${LAYERSTREAM_DECODE_SWEEP:-} ]] && SWEEP=(--decode-blocks-sweep "$LAYERSTREAM_DECODE_SWEEP")
+  REF1=(); [[ -n ${LAYERSTREAM_REFERENCE_JSON_FLUX1:-} ]] && REF1=(--reference-json "$LAYERSTREAM_REFERENCE_JSON_FLUX1")
+  REF2=(); [[ -n ${LAYERSTREAM_REFERENCE_JSON_FLUX2:-} ]] && REF2=(--reference-json "$LAYERSTREAM_REFERENCE_JSON_FLUX2")
   if [[ $LRUNS == *,flux1,* ]]; then
     step "FLUX.1 100% streamed, layerstream with LAYERSTREAM_HOST_DTYPE=lossless"
-    REF=(); [[ -n ${LAYERSTREAM_REFERENCE_JSON_FLUX1:-} ]] && REF=(--reference-json "$LAYERSTREAM_REFERENCE_JSON_FLUX1")
     flux lossless_flux1 "${LENVS[@]}" --preset flux1 --mode layerstream --host-dtype lossless --warmup 3 --steps 4 \
-      "${REF[@]}"
+      "${REF1[@]}"
   fi
   for item in ${LRUNS//,/ }; do
     [[ $item == flux1cap* ]] || continue
     step "FLUX.1 under a ${item#flux1cap} GiB cap, layerstream with LAYERSTREAM_HOST_DTYPE=lossless (budget = the cap)"
-    REF=(); [[ -n ${LAYERSTREAM_REFERENCE_JSON_FLUX1:-} ]] && REF=(--reference-json "$LAYERSTREAM_REFERENCE_JSON_FLUX1")
     flux "lossless_$item" LAYERSTREAM_VRAM_BUDGET="${item#flux1cap}GiB" "${LENVS[@]}" --preset flux1 \
-      --mode layerstream --host-dtype lossless --vram-cap-gb "${item#flux1cap}" --warmup 3 --steps 4 "${REF[@]}"
+      --mode layerstream --host-dtype lossless --vram-cap-gb "${item#flux1cap}" --warmup 3 --steps 4 "${REF1[@]}"
   done
   if [[ $LRUNS == *,flux2cap,* ]]; then
     step "FLUX.2 under a 24 GiB cap, layerstream with LAYERSTREAM_HOST_DTYPE=lossless (budget = the cap)"
-    REF=(); [[ -n ${LAYERSTREAM_REFERENCE_JSON_FLUX2:-} ]] && REF=(--reference-json "$LAYERSTREAM_REFERENCE_JSON_FLUX2")
     flux lossless_flux2cap LAYERSTREAM_VRAM_BUDGET=24GiB "${LENVS[@]}" --preset flux2 --mode layerstream \
-      --host-dtype lossless --vram-cap-gb 24 --warmup 3 --steps 3 "${REF[@]}" "${SWEEP[@]}"
+      --host-dtype lossless --vram-cap-gb 24 --warmup 3 --steps 3 "${REF2[@]}" "${SWEEP[@]}"
     grep -E "^  layerstream, decode blocks" "$OUT/all.log" | tail -n 8 | sed 's/^/      /' >>"$OUT/summary.txt"
   fi
 fi
