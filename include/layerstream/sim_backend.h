@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -102,6 +103,14 @@ class SimBackend final : public Backend {
   // The next `count` memcpy_h2d_async calls throw Error (as a failed CUDA call does) before enqueuing
   // anything: tests of what the engine does when a copy cannot be issued.
   void fail_next_h2d_copies(int count);
+  // Memory pressure, as torch's caching allocator signals it (its free-memory callbacks): a device_alloc
+  // that does not fit calls `hook(bytes)` once, without the backend's lock, and tries again when it returns
+  // true. The hook may free device memory (device_free). Empty: none.
+  void set_memory_pressure_hook(std::function<bool(std::size_t bytes)> hook);
+  // The most device memory held since reset_device_peak() (or since construction): a windowed peak, as
+  // the torch glue measures one on CUDA.
+  std::size_t device_peak_bytes() const;
+  void reset_device_peak();
 
  private:
   struct Impl;

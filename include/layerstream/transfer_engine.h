@@ -163,6 +163,12 @@ class TransferEngine {
   bool make_resident(LayerId layer);
   // Gives a resident layer's device memory back (after its last readers); it streams again.
   void evict_resident(LayerId layer);
+  // Memory pressure (an allocation beside the engine that did not fit): gives back resident copies that no
+  // lease holds, largest first, until `want` bytes are freed or none is left; returns the bytes freed. It
+  // only tries the engine's lock (never waits for it): a caller inside an allocator that the engine's own
+  // thread may be allocating from gets 0 instead of a deadlock. Each copy goes after its last readers and
+  // copies (the host waits for their events), as evict_resident does.
+  std::size_t yield_resident(std::size_t want);
   bool resident(LayerId layer) const;
   void wait_ready(const Lease& lease, StreamHandle consumer);
   // For readers on the host itself (the simulator's CPU compute): blocks until the copy has landed.

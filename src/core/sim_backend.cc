@@ -90,6 +90,8 @@ struct SimBackend::Impl {
   int failing_h2d_copies = 0;  // fail_next_h2d_copies
   std::map<void*, std::size_t> registered;
   std::size_t device_bytes = 0;
+  std::size_t device_peak = 0;  // since reset_device_peak()
+  std::function<bool(std::size_t)> pressure_hook;
   std::size_t pinned_bytes = 0;  // allocated + registered, against pinned_capacity_bytes
 
   static SimStream* as_stream(StreamHandle h) {
@@ -372,13 +374,37 @@ void SimBackend::host_unregister(void* ptr) noexcept {
 
 void* SimBackend::device_alloc(std::size_t bytes) {
   LS_CHECK_ARG(bytes > 0, "device_alloc: size must be positive");
+  std::function<bool(std::size_t)> hook;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (attempt == 1 && !(hook && hook(bytes))) return nullptr;  // outside the lock: the hook frees memory
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    if (impl_->device_bytes + bytes > impl_->options.device_capacity_bytes) {
+      hook = impl_->pressure_hook;
+      continue;
+    }
+    void* p = aligned_allocate(bytes);
+    if (p == nullptr) return nullptr;
+    impl_->device_allocs[p] = bytes;
+    impl_->device_bytes += bytes;
+    impl_->device_peak = std::max(impl_->device_peak, impl_->device_bytes);
+    return p;
+  }
+  return nullptr;
+}
+
+void SimBackend::set_memory_pressure_hook(std::function<bool(std::size_t bytes)> hook) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  if (impl_->device_bytes + bytes > impl_->options.device_capacity_bytes) return nullptr;
-  void* p = aligned_allocate(bytes);
-  if (p == nullptr) return nullptr;
-  impl_->device_allocs[p] = bytes;
-  impl_->device_bytes += bytes;
-  return p;
+  impl_->pressure_hook = std::move(hook);
+}
+
+std::size_t SimBackend::device_peak_bytes() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->device_peak;
+}
+
+void SimBackend::reset_device_peak() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->device_peak = impl_->device_bytes;
 }
 
 void SimBackend::device_free(void* ptr) noexcept {

@@ -1,9 +1,8 @@
 #include "layerstream/transfer_engine.h"
 
-#include <chrono>
-
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 
 #include "layerstream/check.h"
@@ -320,6 +319,24 @@ void TransferEngine::evict_resident(LayerId id) {
   Layer& layer = layer_locked(id);
   check_not_in_use_locked(layer, id, "evict_resident");
   drop_resident_locked(layer);
+}
+
+std::size_t TransferEngine::yield_resident(std::size_t want) {
+  std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return 0;
+  std::vector<Layer*> idle;
+  for (auto& [id, layer] : layers_) {
+    if (layer.resident.data() != nullptr && layer.leases == 0) idle.push_back(&layer);
+  }
+  // Largest first: the fewest layers go back to streaming for the bytes asked.
+  std::sort(idle.begin(), idle.end(), [](const Layer* a, const Layer* b) { return a->block.bytes > b->block.bytes; });
+  std::size_t freed = 0;
+  for (Layer* layer : idle) {
+    if (freed >= want) break;
+    freed += layer->block.bytes;
+    drop_resident_locked(*layer);
+  }
+  return freed;
 }
 
 bool TransferEngine::resident(LayerId id) const {

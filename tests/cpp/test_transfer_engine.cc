@@ -465,6 +465,84 @@ TEST(TransferEngineSim, ResidencyThatDoesNotFitIsRefusedAndNothingChanges) {
   EXPECT_TRUE(l.copied);
 }
 
+// Memory pressure: an allocation beside the engine that does not fit gets the memory of resident copies
+// that no lease holds, largest first, after their last readers; a held one stays; the layers stream again
+// with the exact bytes, and the race checker finds nothing unordered. Without the yield it would fail.
+TEST(TransferEngineSim, ResidentCopiesAreGivenBackUnderMemoryPressure) {
+  SimOptions sim_options;
+  sim_options.device_capacity_bytes = 16384 + 4096 + 8192 + 6000;  // the ring, three resident layers
+  sim_options.scramble_copies = true;
+  SimBackend sim(sim_options);
+  Stream compute(sim);
+  TransferEngine engine(sim, small_options(16384));
+  const LayerId small = engine.add_layer(4096), big = engine.add_layer(8192), mid = engine.add_layer(6000);
+  for (LayerId id : {small, big, mid}) {
+    HostBlock block = engine.host_block(id);
+    std::memset(block.data, static_cast<int>(id * 17), block.bytes);
+  }
+  for (LayerId id : {small, big, mid}) ASSERT_TRUE(engine.make_resident(id));
+  EXPECT_EQ(sim.device_alloc(4096), nullptr);  // full, and no hook yet
+
+  std::size_t yielded = 0;
+  sim.set_memory_pressure_hook([&](std::size_t bytes) {
+    const std::size_t freed = engine.yield_resident(bytes);
+    yielded += freed;
+    return freed > 0;
+  });
+  // A reader still holds `small` (its kernels queued on compute): it must not be given back.
+  Lease held = engine.fetch(small);
+  engine.wait_ready(held, compute.get());
+  std::vector<unsigned char> seen(4096);
+  sim.memcpy_d2h_async(seen.data(), engine.device_data(held), seen.size(), compute.get());
+  void* user = sim.device_alloc(5000);  // needs one layer's memory: the largest idle one goes
+  ASSERT_NE(user, nullptr);
+  EXPECT_EQ(yielded, 8192u);
+  EXPECT_FALSE(engine.resident(big));
+  EXPECT_TRUE(engine.resident(small));
+  EXPECT_TRUE(engine.resident(mid));
+  engine.release(held, compute.get());
+  EXPECT_EQ(engine.stats().resident_bytes, 4096u + 6000u);
+  // More than every idle copy frees: all of them go, and the allocation still fails (nothing else to give).
+  EXPECT_EQ(sim.device_alloc(64 << 10), nullptr);
+  EXPECT_EQ(engine.stats().resident_layers, 0u);
+  for (LayerId id : {small, big, mid}) {
+    Lease l = engine.fetch(id);
+    engine.wait_ready(l, compute.get());
+    std::vector<unsigned char> out(l.bytes);
+    sim.memcpy_d2h_async(out.data(), engine.device_data(l), l.bytes, compute.get());
+    engine.release(l, compute.get());
+    sim.stream_synchronize(compute.get());
+    EXPECT_EQ(out, std::vector<unsigned char>(l.bytes, static_cast<unsigned char>(id * 17)));
+  }
+  sim.set_memory_pressure_hook({});
+  sim.device_free(user);
+  sim.synchronize_all();
+  EXPECT_EQ(sim.violation_count(), 0u) << (sim.violations().empty() ? "" : sim.violations().front());
+}
+
+// A yield that cannot take the engine's lock (the engine's own thread is the one allocating) gives nothing
+// back instead of waiting for itself.
+TEST(TransferEngineSim, AYieldFromInsideTheEnginesOwnAllocationGivesNothingAndDoesNotDeadlock) {
+  SimOptions sim_options;
+  sim_options.device_capacity_bytes = 16384 + 4096;
+  SimBackend sim(sim_options);
+  TransferEngine* self = nullptr;
+  std::size_t yielded_inside = 1;
+  EngineOptions options = small_options(16384);
+  options.ring_allocator.allocate = [&](std::size_t bytes, StreamHandle) -> void* {
+    if (self != nullptr) yielded_inside = self->yield_resident(bytes);  // under the engine's lock
+    return sim.device_alloc(bytes);
+  };
+  options.ring_allocator.deallocate = [&](void* p) { sim.device_free(p); };
+  TransferEngine engine(sim, options);
+  self = &engine;
+  const LayerId a = engine.add_layer(4096), b = engine.add_layer(4096);
+  ASSERT_TRUE(engine.make_resident(a));
+  EXPECT_FALSE(engine.make_resident(b));  // no room; the yield inside could not run
+  EXPECT_EQ(yielded_inside, 0u);
+  EXPECT_TRUE(engine.resident(a));
+}
+
 // A stream-ordered allocator (PyTorch's caching allocator) may give a stream memory that another stream
 // freed with its last use still queued: it is free in the asking stream's order only. The engine must ask
 // for its ring and its resident copies on the stream that writes them (H2D). This allocator plays the
