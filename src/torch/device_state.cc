@@ -25,6 +25,9 @@ namespace layerstream::torchglue {
 namespace {
 
 constexpr std::size_t kMiB = std::size_t{1} << 20;
+// The least ring on a GPU, in layers of the largest size attached: the stock manager keeps its last four
+// forward weights (and four backward ones) on the device; this ring holds about as much.
+constexpr std::size_t kMinRingLayers = 4;
 
 // A layer's room in the ring: its bytes rounded up to the ring's 256-byte alignment.
 std::size_t ring_unit(std::size_t layer_bytes) { return (layer_bytes + 255) / 256 * 256; }
@@ -46,6 +49,10 @@ std::size_t env_mib(const char* name, std::size_t fallback, bool allow_zero = fa
 DeviceState::MemoryResolver& memory_resolver() {
   static auto* r = new DeviceState::MemoryResolver();
   return *r;
+}
+DeviceState::PeakWindowStarter& peak_window_starter() {
+  static auto* s = new DeviceState::PeakWindowStarter();
+  return *s;
 }
 
 #ifdef LAYERSTREAM_TORCH_CUDA
@@ -85,6 +92,7 @@ VramBudget VramBudget::parse(const char* text) {
   VramBudget b;
   if (text == nullptr || *text == '\0') return b;
   const std::string v(text);
+  if (v == "min") return b;  // the default, said explicitly
   b.enabled = true;
   if (v == "auto") {
     b.automatic = true;
@@ -102,13 +110,17 @@ VramBudget VramBudget::parse(const char* text) {
   else if (unit == "MB") scale = 1e6;
   else if (unit == "GB") scale = 1e9;
   LS_CHECK_ARG(end != v.c_str() && scale > 0 && number > 0, "LAYERSTREAM_VRAM_BUDGET=", v,
-               " is not understood; give 'auto' (free device memory minus a headroom) or a size such as 24GiB, "
+               " is not understood; give 'min' (the default: the least device memory, no layer kept), 'auto' (free "
+               "device memory minus a headroom, given back when the process needs it) or a size such as 24GiB, "
                "24GB, 20000MiB or a number of bytes");
   b.bytes = static_cast<std::size_t>(number * scale);
   return b;
 }
 
-void DeviceState::set_memory_resolver(MemoryResolver resolver) { memory_resolver() = std::move(resolver); }
+void DeviceState::set_memory_resolver(MemoryResolver resolver, PeakWindowStarter start_peak_window) {
+  memory_resolver() = std::move(resolver);
+  peak_window_starter() = std::move(start_peak_window);
+}
 
 HostBlockRef::HostBlockRef(std::shared_ptr<HostPool> pool, std::size_t bytes)
     : pool_(std::move(pool)), block_(pool_->arena->allocate(bytes)) {}
@@ -184,6 +196,15 @@ DeviceState::DeviceState(const c10::Device& device, Mode mode) : device_(device)
 
 std::shared_ptr<DeviceState> DeviceState::create(const c10::Device& device, Mode mode) {
   std::shared_ptr<DeviceState> state(new DeviceState(device, mode));
+  if (mode == Mode::kSim) {
+    // The simulated card signals pressure as torch's allocator does: resident copies go back first. Weak:
+    // the backend (shared with host blocks) may outlive the state.
+    std::weak_ptr<DeviceState> weak = state;
+    static_cast<SimBackend&>(state->backend()).set_memory_pressure_hook([weak](std::size_t bytes) {
+      auto s = weak.lock();
+      return s && s->yield_for_pressure(bytes);
+    });
+  }
   std::lock_guard<std::mutex> lock(registry_mutex());
   auto& r = registry();
   r.erase(std::remove_if(r.begin(), r.end(), [](const auto& w) { return w.expired(); }), r.end());
@@ -192,6 +213,7 @@ std::shared_ptr<DeviceState> DeviceState::create(const c10::Device& device, Mode
 }
 
 DeviceState::~DeviceState() {
+  if (mode_ == Mode::kSim) static_cast<SimBackend&>(*pool_->backend).set_memory_pressure_hook({});
   engine_.reset();  // synchronizes its streams and the ring's readers first
   host_stream_.reset();
 }
@@ -205,31 +227,20 @@ std::vector<std::shared_ptr<DeviceState>> DeviceState::live() {
   return out;
 }
 
-std::size_t DeviceState::ring_floor(bool deep) const {
+std::size_t DeviceState::ring_floor() const {
   if (mode_ != Mode::kCuda) return 0;
-  const std::size_t expansion = ring_expansion_permille_.load();
-  // At least 512 MiB, so that a block's layers stay in the ring together (more when layers carry scratch
-  // for their dequantized weights: by as much as it adds to a layer).
-  const std::size_t shallow = ring_unit(512 * kMiB * expansion / 1000);
-  if (!deep || vram_budget_.enabled) return shallow;  // a budget's plan sizes the ring itself
-  // Without a budget, an eighth of the device up to 3 GiB of streamed bytes (times the scratch factor, within
-  // the eighth), and never more than the layers attached here take (a ring larger than the model holds
-  // nothing more). Measured on FLUX.1, 100% streamed on the H200 (2026-11-30): 512 MiB 0.99 s/step, 1 GiB
-  // 0.92, 1.5 GiB 0.89, 3 GiB 0.86. The deeper ring keeps the first blocks of the forward from the
-  // backward before it and the last ones for the backward after it (fewer bytes), and lets copies run
-  // further ahead of the backward's compute, which the double-stream blocks at its end need (their copies
-  // take longer than their compute).
-  const std::size_t eighth = pool_->backend->device_memory_info().second / 8;
-  const std::size_t deep_bytes = std::min({std::clamp(eighth, 512 * kMiB, 3072 * kMiB) * expansion / 1000,
-                                           std::max(eighth, shallow), attached_device_bytes_.load()});
-  return std::max(shallow, ring_unit(deep_bytes));
+  // "min", also the first step of a VRAM budget's run: sized from the layers, not from the device. A deeper
+  // ring was faster (FLUX.1 100% streamed on the H200, 2026-11-30: 512 MiB 0.99 s/step, 3 GiB 0.86) but
+  // held 2.3 GB more than the stock manager at the same settings, where people offload because memory is
+  // short. The VRAM budget (auto) deepens it where the device has room, and gives that room back.
+  return std::min(kMinRingLayers * ring_unit(largest_attached_.load()), ring_unit(attached_device_bytes_.load()));
 }
 
-std::size_t DeviceState::ring_bytes_for(std::size_t layer_bytes, bool deep) const {
+std::size_t DeviceState::ring_bytes_for(std::size_t layer_bytes) const {
   const std::size_t aligned = ring_unit(layer_bytes);
   // Three of the largest layer guarantee room for the next one wherever the held one sits, with
   // headroom for reuse; on a GPU at least ring_floor().
-  const std::size_t wanted = env_mib("LAYERSTREAM_RING_MB", std::max(3 * aligned, ring_floor(deep)));
+  const std::size_t wanted = env_mib("LAYERSTREAM_RING_MB", std::max(3 * aligned, ring_floor()));
   LS_CHECK_ARG(wanted >= aligned, "LAYERSTREAM_RING_MB is ", wanted / kMiB,
                " MiB, smaller than a layer of ", layer_bytes, " bytes; raise it to at least ",
                (aligned + kMiB - 1) / kMiB, " MiB (3x that is better)");
@@ -262,7 +273,8 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
   if (replan) {
     options.ring_bytes = std::max(planned_ring_bytes_, options.ring_bytes);
     planned_ring_bytes_ = 0;
-    keep_plan_ = true;
+    keep_plan_ = !shrink_pending_;  // a shrink after memory pressure is planned again
+    shrink_pending_ = false;
   }
   // LAYERSTREAM_TIME_WAITS=1: measure how long compute waits for copies (stats: copy_wait_us).
   if (const char* t = std::getenv("LAYERSTREAM_TIME_WAITS"); t != nullptr && std::string(t) == "1") {
@@ -294,29 +306,14 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
     options.ring_allocator.deallocate = [](void* p) { c10::cuda::CUDACachingAllocator::raw_delete(p); };
   }
 #endif
-  // The deep default ring is a preference: where the device cannot hold it, the shallow one.
-  const std::size_t shallow = replan || ring_fixed_ ? options.ring_bytes
-                                                    : ring_bytes_for(std::max(layer_bytes, largest_attached_.load()),
-                                                                     /*deep=*/false);
-  auto build = [&] { engine_ = std::make_unique<TransferEngine>(*pool_->backend, options); };
   try {
-    try {
-      build();
-    } catch (const OutOfDeviceMemory& first) {
-      if (shallow >= options.ring_bytes) throw;
-      log(LogLevel::kWarning, detail::concat("layerstream: no room for a device ring of ", options.ring_bytes / kMiB,
-                                             " MiB on ", describe(), " (", first.what(), "); using ", shallow / kMiB,
-                                             " MiB instead (fewer copies ahead of need; LAYERSTREAM_RING_MB sets it)"));
-      options.ring_bytes = shallow;
-      build();
-    }
+    engine_ = std::make_unique<TransferEngine>(*pool_->backend, options);
   } catch (const OutOfDeviceMemory& e) {
     throw OutOfDeviceMemory(detail::concat(
         "layerstream could not allocate its device ring of ", options.ring_bytes / kMiB, " MiB on ", describe(),
-        " (LAYERSTREAM_RING_MB; by default 3x the largest layer, at least 512 MiB on a GPU and without a VRAM "
-        "budget an eighth of the device up to 3 GiB, more for quantized layers; this model's largest layer "
-        "needs ", (layer_bytes + kMiB - 1) / kMiB, " MiB): ", e.what(),
-        ". Free device memory, or set LAYERSTREAM_RING_MB lower, then call the layer again"));
+        " (LAYERSTREAM_RING_MB; by default ", kMinRingLayers, " of the largest layer on a GPU, its dequantized "
+        "weight included, at least 3; this model's largest layer needs ", (layer_bytes + kMiB - 1) / kMiB,
+        " MiB): ", e.what(), ". Free device memory, or set LAYERSTREAM_RING_MB lower, then call the layer again"));
   }
   ++generation_;
   ++engines_built_;
@@ -327,21 +324,20 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
 }
 
 void DeviceState::note_use(LayerId layer) {
-  bool plan_now = false, waits_for_training = false;
-  std::string prefetch_error;
-  observe_and_prefetch(layer, plan_now, waits_for_training, prefetch_error);
-  if (!prefetch_error.empty()) {
+  const UseOutcome outcome = observe_and_prefetch(layer);
+  if (!outcome.prefetch_error.empty()) {
     log_once("prefetch-failed", LogLevel::kWarning,
-             "layerstream: a copy ahead of need could not be issued (" + prefetch_error +
+             "layerstream: a copy ahead of need could not be issued (" + outcome.prefetch_error +
                  "); such layers are copied when they are used instead, where an error that persists is raised");
   }
   // Logged outside mu_, as the plan's report below: a Python log sink takes the GIL.
-  if (waits_for_training) {
+  if (!outcome.pressure_report.empty()) log(LogLevel::kWarning, outcome.pressure_report);
+  if (outcome.waits_for_training) {
     log_once("vram-budget-waits-for-training", LogLevel::kInfo,
              "layerstream VRAM budget: planned from the first training steps (a forward with grad enabled); "
              "until then every layer streams");
   }
-  if (!plan_now) return;
+  if (!outcome.plan_now) return;
   // Outside the lock: the resolver takes the GIL, and a thread holding the GIL may be waiting for mu_.
   const DeviceMemoryView view = memory_view();
   std::string report;
@@ -352,24 +348,73 @@ void DeviceState::note_use(LayerId layer) {
   if (!report.empty()) log(view.limit == 0 ? LogLevel::kWarning : LogLevel::kInfo, report);
 }
 
+bool DeviceState::yield_for_pressure(std::size_t want) {
+  std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+  if (!lock.owns_lock() || !engine_) return false;
+  const std::size_t freed = engine_->yield_resident(want);
+  if (freed == 0) return false;
+  ++pressure_yields_;
+  pressure_yielded_bytes_ += freed;
+  pressure_threshold_ = 0;  // until the next plan: nothing more to give back
+  pressure_pending_ = true;
+  return true;
+}
+
+std::string DeviceState::replan_after_pressure_locked() {
+  const std::string given = detail::concat("layerstream: an allocation of this process found no room on ", describe(),
+                                           ": resident layers gave their memory back (",
+                                           pressure_yielded_bytes_.load() / kMiB, " MiB over ", pressure_yields_.load(),
+                                           " time(s) so far); they stream now");
+  if (!vram_budget_.enabled) return given;
+  // Plan again from the next training steps, whose peak now includes what asked for the memory; with more
+  // headroom each time, so that a process whose peak keeps growing does not yield at every step.
+  headroom_permille_ = std::min<std::size_t>(headroom_permille_ * 2, 250);
+  budget_planned_ = false;
+  budget_recording_ = false;
+  planned_resident_.clear();
+  first_uses_.clear();
+  seen_.clear();
+  plan_uses_.clear();
+  budget_room_ = 0;
+  const std::size_t least = ring_bytes_for(largest_attached_.load());
+  const bool shrink = !ring_fixed_ && engine_->ring_capacity() > least;
+  if (shrink) {  // the plan's deeper ring goes back to the least at the next call with no layer in use
+    planned_ring_bytes_ = least;
+    shrink_pending_ = true;
+  }
+  return detail::concat(given, "; the VRAM budget plans again from the next training steps with ",
+                        headroom_permille_ / 10, "% headroom",
+                        shrink ? detail::concat(", and the device ring goes back to ", least / kMiB, " MiB") : "");
+}
+
+void DeviceState::start_peak_window_locked() {
+  if (mode_ == Mode::kSim) {
+    static_cast<SimBackend&>(*pool_->backend).reset_device_peak();
+  } else if (peak_window_starter()) {
+    peak_window_starter()(*this);
+  }
+}
+
 DeviceMemoryView DeviceState::memory_view() {
   DeviceMemoryView view;
   if (mode_ == Mode::kSim) {
     // The simulated card: its capacity (or the budget), and what is allocated on it now (the ring).
     const auto [free_bytes, total] = pool_->backend->device_memory_info();
+    (void)free_bytes;
     view.limit = vram_budget_.automatic ? total : vram_budget_.bytes;
-    view.peak = total - free_bytes;
+    view.peak = static_cast<SimBackend&>(*pool_->backend).device_peak_bytes();  // since the window's start
   } else if (memory_resolver()) {
     view = memory_resolver()(*this, vram_budget_);
   }
   return view;
 }
 
-void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now, bool& waits_for_training,
-                                       std::string& prefetch_error) {
-  if (!prefetch_ && !vram_budget_.enabled) return;
+DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer) {
+  UseOutcome out;
+  if (!prefetch_ && !vram_budget_.enabled && !pressure_pending_) return out;
   std::lock_guard<std::mutex> lock(mu_);  // also keeps the engine from being rebuilt meanwhile
-  if (!engine_) return;
+  if (!engine_) return out;
+  if (pressure_pending_.exchange(false)) out.pressure_report = replan_after_pressure_locked();
   if (predictor_generation_ != generation_) {  // layer ids of an older engine mean nothing now
     predictor_ = AccessPredictor();
     predictor_generation_ = generation_;
@@ -389,9 +434,10 @@ void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now, bool& wait
     if (at::GradMode::is_enabled()) {  // a training forward: record from here (see budget_recording_)
       budget_recording_ = true;
       hits_before_recording_ = predictor_.stats().correct;
+      start_peak_window_locked();
     } else if (!told_waiting_) {  // once here, not at every call of the passes before training
       told_waiting_ = true;
-      waits_for_training = true;
+      out.waits_for_training = true;
     }
   }
   if (planning && budget_recording_) {
@@ -401,10 +447,10 @@ void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now, bool& wait
     // (step) is under way, and the first one's peak memory is on record.
     if (predictor_.stats().correct - hits_before_recording_ >= 2 * first_uses_.size() + 2) {
       budget_planned_ = true;
-      plan_now = true;
+      out.plan_now = true;
     }
   }
-  if (!prefetch_) return;
+  if (!prefetch_) return out;
   const std::size_t budget = engine_->ring_capacity() / 3;
   std::size_t planned = 0;
   for (LayerId next : predictor_.predict(lookahead_layers_)) {
@@ -417,10 +463,11 @@ void DeviceState::observe_and_prefetch(LayerId layer, bool& plan_now, bool& wait
       engine_->prefetch(next);
     } catch (const std::exception& e) {
       // The engine left nothing of it in the ring; the layer's own fetch copies it (and raises what persists).
-      prefetch_error = e.what();
+      out.prefetch_error = e.what();
       break;
     }
   }
+  return out;
 }
 
 void DeviceState::consider_residency(TransferEngine& engine, LayerId layer, std::size_t bytes) {
@@ -445,7 +492,9 @@ std::optional<std::size_t> DeviceState::layer_bytes_locked(LayerId layer, bool i
 
 std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) {
   if (view.limit == 0) return "LAYERSTREAM_VRAM_BUDGET is set but nothing reports device memory here; ignored";
-  const std::size_t headroom = view.limit / 20;  // 5%: allocator fragmentation, a longer prompt
+  // 5% at first (allocator fragmentation, a longer prompt), more after each yield to memory pressure.
+  const std::size_t headroom = view.limit / 1000 * headroom_permille_;
+  pressure_threshold_ = headroom;
   const std::size_t ring = engine_->ring_capacity();
   // The ring and the resident copies share what the process may hold beyond its peak without the ring.
   const std::size_t others = view.peak > ring ? view.peak - ring : 0;
@@ -522,7 +571,8 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
               : std::string();
   return detail::concat("layerstream VRAM budget on ", describe(), ": ", view.limit / kMiB, " MiB",
                         vram_budget_.automatic ? " (auto)" : "", ", peak ", view.peak / kMiB,
-                        " MiB over the first step, 5% headroom: ", kept, " layers (", kept_bytes / kMiB,
+                        " MiB in the training step (from its first forward; what the process held before is not "
+                        "counted), ", headroom_permille_ / 10, "% headroom: ", kept, " layers (", kept_bytes / kMiB,
                         " MiB) stay on the device, ", streamed, " stream", ring_note,
                         not_copied > 0 ? detail::concat(" (", not_copied, " of them planned to stay, but their "
                                                         "copy could not be issued: ", copy_error, ")")
@@ -587,6 +637,8 @@ StateStats DeviceState::stats() {
   s.vram_budget_planned = budget_planned_;
   s.vram_budget_room = budget_room_;
   s.vram_budget_estimate = budget_estimate_;
+  s.pressure_yields = pressure_yields_.load();
+  s.pressure_yielded_bytes = pressure_yielded_bytes_.load();
   if (mode_ == Mode::kSim) s.sim_races = static_cast<SimBackend&>(*pool_->backend).violation_count();
   return s;
 }

@@ -75,7 +75,8 @@ struct DeviceMemoryView {
   std::size_t peak = 0;   // the most the process has held (torch's peak reserved on CUDA)
 };
 
-// LAYERSTREAM_VRAM_BUDGET, parsed: "auto", or a size such as 24GiB, 24GB, 20000MiB or 2.5e10 (bytes).
+// LAYERSTREAM_VRAM_BUDGET, parsed: "min" (the default: no plan, the least ring), "auto", or a size such as
+// 24GiB, 24GB, 20000MiB or 2.5e10 (bytes).
 struct VramBudget {
   bool enabled = false;
   bool automatic = false;
@@ -102,6 +103,10 @@ struct StateStats {
   // Bytes per step the plan's replay expects to cross the bus (residency_plan.h), to set beside bytes_h2d.
   std::uint64_t vram_budget_estimate = 0;
   bool vram_budget_planned = false;
+  // Memory pressure: how often resident copies were given back to an allocation that did not fit, and
+  // how many bytes in all (yield_for_pressure).
+  std::uint64_t pressure_yields = 0;
+  std::uint64_t pressure_yielded_bytes = 0;
 };
 
 class DeviceState {
@@ -147,8 +152,23 @@ class DeviceState {
   // checkpointed block's layers from its recomputed forward to its backward may save more copies than the
   // resident layers its memory would hold. A new ring size rebuilds the engine at the next layer call. The view of the device comes from `resolver` on CUDA
   // (installed by the Python module: it reads torch's allocator), from the backend on the simulator.
+  // The peak it reports is windowed: from the window's start (`start_peak_window`, at the first training
+  // forward) to now, so that what the process held before training (the model placed on the device before
+  // attach, text encoders, samples) does not count as the training step's.
   using MemoryResolver = std::function<DeviceMemoryView(DeviceState&, const VramBudget&)>;
-  static void set_memory_resolver(MemoryResolver resolver);
+  using PeakWindowStarter = std::function<void(DeviceState&)>;
+  static void set_memory_resolver(MemoryResolver resolver, PeakWindowStarter start_peak_window);
+
+  // Memory pressure: an allocation of the process found no room (torch's allocator runs its free-memory
+  // callbacks; the simulator its pressure hook). Gives back the resident copies no lease holds, so that the
+  // allocator can hand their memory out, and has the VRAM budget plan again from the next training steps
+  // with more headroom (the device ring, when the plan grew it, shrinks back at the next call with no
+  // layer in use). Never waits for the state's lock: returns false when it is taken (the caller is
+  // layerstream itself, allocating) or when nothing was given back.
+  bool yield_for_pressure(std::size_t want);
+  // The free device memory under which a cache miss of torch's allocator counts as pressure: the headroom
+  // the budget's last plan left (0 before a plan: nothing to give back).
+  std::size_t pressure_threshold() const { return pressure_threshold_.load(); }
 
   // The stream consumers release on: torch's current stream (CUDA) or the host's proxy stream (sim).
   StreamHandle consumer_stream();
@@ -170,10 +190,11 @@ class DeviceState {
  private:
   DeviceState(const c10::Device& device, Mode mode);
   // The ring for a largest layer of `layer_bytes`: LAYERSTREAM_RING_MB, else 3x the layer and at least
-  // ring_floor(deep).
-  std::size_t ring_bytes_for(std::size_t layer_bytes, bool deep = true) const;
-  // The least ring on a GPU (0 elsewhere): 512 MiB, or deep and without a VRAM budget up to 3 GiB.
-  std::size_t ring_floor(bool deep) const;
+  // ring_floor().
+  std::size_t ring_bytes_for(std::size_t layer_bytes) const;
+  // The least ring on a GPU (0 elsewhere): kMinRingLayers of the largest layer attached, and never more
+  // than the attached layers take ("min": about what the stock manager holds at the same settings).
+  std::size_t ring_floor() const;
 
   c10::Device device_;
   Mode mode_;
@@ -216,11 +237,26 @@ class DeviceState {
   bool ring_fixed_ = false;  // LAYERSTREAM_RING_MB given: the plan keeps the ring as it is
   std::size_t planned_ring_bytes_ = 0;
   bool keep_plan_ = false;   // the next rebuild is the plan's own: it is not planned again
+  bool shrink_pending_ = false;  // the pending rebuild is memory pressure's (back to the least ring): plan again
+  // Memory pressure (yield_for_pressure): set by the yield, handled at the next layer call under mu_.
+  std::atomic<bool> pressure_pending_{false};
+  std::atomic<std::uint64_t> pressure_yields_{0};
+  std::atomic<std::uint64_t> pressure_yielded_bytes_{0};
+  std::atomic<std::size_t> pressure_threshold_{0};
+  std::size_t headroom_permille_ = 50;  // the plan's headroom; doubles (up to a quarter) after each yield
   std::unordered_set<const void*> planned_resident_;
-  // Takes mu_. plan_now: the budget is to be planned now; waits_for_training: say that it waits for a
-  // training step (both done by the caller, outside mu_).
-  // prefetch_error: what a failed copy ahead of need raised (the caller logs it once, outside mu_).
-  void observe_and_prefetch(LayerId layer, bool& plan_now, bool& waits_for_training, std::string& prefetch_error);
+  // What a layer call leaves the caller to do outside mu_ (a Python log sink takes the GIL).
+  struct UseOutcome {
+    bool plan_now = false;            // plan the budget now
+    bool waits_for_training = false;  // say that the budget waits for a training step
+    std::string prefetch_error;       // what a failed copy ahead of need raised (logged once)
+    std::string pressure_report;      // what a yield to memory pressure did (logged)
+  };
+  UseOutcome observe_and_prefetch(LayerId layer);  // takes mu_
+  // After a yield to memory pressure: the budget plans again from the next training steps. Caller holds mu_.
+  std::string replan_after_pressure_locked();
+  // Starts the windowed peak (the simulator's own, or the resolver's starter on CUDA). Caller holds mu_.
+  void start_peak_window_locked();
   DeviceMemoryView memory_view();
   std::string apply_vram_budget_locked(const DeviceMemoryView& view);  // the line to log
   // A layer's packed bytes, or with in_ring what it takes in the ring (its scratch too); nullopt: removed

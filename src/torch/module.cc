@@ -23,6 +23,7 @@
 #include <optional>
 #include <string>
 
+#include "cuda_memory.h"
 #include "device_state.h"
 #include "host_share.h"
 #include "layerstream/check.h"
@@ -529,40 +530,14 @@ py::dict stats_dict(const StateStats& s) {
   d["vram_budget_planned"] = static_cast<std::uint64_t>(s.vram_budget_planned);
   d["vram_budget_room"] = s.vram_budget_room;
   d["vram_budget_estimate"] = s.vram_budget_estimate;
+  d["pressure_yields"] = s.pressure_yields;  // times resident layers gave memory back to an allocation
+  d["pressure_yielded_bytes"] = s.pressure_yielded_bytes;
   d["device_bytes"] = s.engine.ring_capacity + s.engine.resident_bytes;  // what layerstream holds on the device
   d["copy_wait_us"] = s.engine.copy_wait_us;  // LAYERSTREAM_TIME_WAITS=1: compute waiting for copies
   d["copy_waits_timed"] = s.engine.copy_waits_timed;
   return d;
 }
 
-#ifdef LAYERSTREAM_TORCH_CUDA
-// What LAYERSTREAM_VRAM_BUDGET plans against on CUDA, from torch's allocator (called without mu_ held).
-DeviceMemoryView cuda_memory_view(DeviceState& state, const VramBudget& budget) {
-  py::gil_scoped_acquire gil;
-  py::object cuda = torch_module().attr("cuda");
-  const int index = state.device().index();
-  DeviceMemoryView view;
-  view.peak = cuda.attr("max_memory_reserved")(index).cast<std::size_t>();
-  if (!budget.automatic) {
-    view.limit = budget.bytes;
-    return view;
-  }
-  // auto: what is free plus what torch already holds, under a set_per_process_memory_fraction cap.
-  py::tuple info = cuda.attr("mem_get_info")(index);
-  const auto free_bytes = info[0].cast<std::size_t>();
-  const auto total = info[1].cast<std::size_t>();
-  view.limit = free_bytes + cuda.attr("memory_reserved")(index).cast<std::size_t>();
-  if (py::hasattr(cuda, "get_per_process_memory_fraction")) {
-    const double fraction = cuda.attr("get_per_process_memory_fraction")(index).cast<double>();
-    view.limit = std::min(view.limit, static_cast<std::size_t>(fraction * static_cast<double>(total)));
-  } else {
-    log_once("vram-budget-no-fraction", LogLevel::kWarning,
-             "LAYERSTREAM_VRAM_BUDGET=auto: this torch cannot report set_per_process_memory_fraction, so a cap "
-             "set that way is not seen; give the budget as a size instead (e.g. LAYERSTREAM_VRAM_BUDGET=24GiB)");
-  }
-  return view;
-}
-#endif
 
 py::dict stats() {
   // Every counter summed over the live device states, plus how many there are and which.
@@ -780,6 +755,25 @@ PYBIND11_MODULE(manager_modules, m) {
            py::arg("count"),
            "Simulator only: the next `count` host-to-device copies fail to be issued (as a failed CUDA call "
            "would). For tests.")
+      .def("_sim_device_alloc",
+           [](DeviceStateHandle& h, std::size_t bytes) {
+             auto* sim = dynamic_cast<SimBackend*>(&h.state->backend());
+             LS_CHECK_ARG(sim != nullptr, "_sim_device_alloc: this device state does not run on the simulator "
+                          "(LAYERSTREAM_BACKEND=sim)");
+             void* p = sim->device_alloc(bytes);
+             LS_CHECK(p != nullptr, "out of memory on the simulated device: ", bytes, " bytes did not fit");
+             return reinterpret_cast<std::uintptr_t>(p);
+           },
+           py::arg("bytes"),
+           "Simulator only: takes `bytes` of the simulated device as another allocation of the process would "
+           "(memory pressure gives resident layers back first); returns a handle for _sim_device_free. For tests.")
+      .def("_sim_device_free",
+           [](DeviceStateHandle& h, std::uintptr_t handle) {
+             auto* sim = dynamic_cast<SimBackend*>(&h.state->backend());
+             LS_CHECK_ARG(sim != nullptr, "_sim_device_free: this device state does not run on the simulator");
+             sim->device_free(reinterpret_cast<void*>(handle));
+           },
+           py::arg("handle"), "Simulator only: frees what _sim_device_alloc took. For tests.")
       .def("__repr__", [](const DeviceStateHandle& h) { return "<layerstream DeviceState " + h.state->describe() + ">"; });
 
   class_of(Which::kLinear) = m.attr("LinearLayerMemoryManager");
@@ -788,9 +782,7 @@ PYBIND11_MODULE(manager_modules, m) {
 
   m.attr("_DEVICE_STATE") = device_state_dict();
   HostShare::set_resolver(&resolve_share);
-#ifdef LAYERSTREAM_TORCH_CUDA
-  DeviceState::set_memory_resolver(&cuda_memory_view);
-#endif
+  install_cuda_memory_probe();
   m.def(
       "_dequantize",
       [](const at::Tensor& codes, const at::Tensor& scale, const std::string& out, const std::string& math,

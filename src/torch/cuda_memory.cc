@@ -1,0 +1,146 @@
+#include "cuda_memory.h"
+
+#ifdef LAYERSTREAM_TORCH_CUDA
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+
+#include "device_state.h"
+
+namespace layerstream::torchglue {
+namespace {
+
+namespace alloc = c10::cuda::CUDACachingAllocator;
+
+// Bytes the process has asked of the allocator and not freed yet, and their most since the window's start,
+// per device. `on`: counting (a window was started); before that the tracker returns at once.
+struct PeakWindow {
+  std::atomic<bool> on{false};
+  std::atomic<std::int64_t> live{0};
+  std::atomic<std::int64_t> peak{0};
+};
+constexpr int kMostDevices = 64;
+std::array<PeakWindow, kMostDevices>& windows() {
+  static auto* w = new std::array<PeakWindow, kMostDevices>();  // the tracker outlives static teardown
+  return *w;
+}
+
+// The allocator's statistics are arrays over pool types; the first is the aggregate of all of them.
+constexpr std::size_t kAggregate = 0;
+
+void on_trace(const alloc::TraceEntry& entry) {
+  const int device = entry.device_;
+  if (device < 0 || device >= kMostDevices) return;
+  PeakWindow& w = windows()[device];
+  if (!w.on.load(std::memory_order_relaxed)) return;
+  const auto size = static_cast<std::int64_t>(entry.size_);
+  if (entry.action_ == alloc::TraceEntry::ALLOC) {
+    const std::int64_t now = w.live.fetch_add(size) + size;
+    std::int64_t seen = w.peak.load();
+    while (now > seen && !w.peak.compare_exchange_weak(seen, now)) {
+    }
+  } else if (entry.action_ == alloc::TraceEntry::FREE_COMPLETED) {
+    w.live.fetch_sub(size);
+  }
+}
+
+void start_window(DeviceState& state) {
+  static std::once_flag attached;
+  std::call_once(attached, [] { alloc::attachAllocatorTraceTracker(&on_trace); });
+  const c10::DeviceIndex index = state.device().index();
+  if (index < 0 || index >= kMostDevices) return;
+  PeakWindow& w = windows()[index];
+  // requested_bytes counts what ALLOC and FREE_COMPLETED carry (the sizes asked, before rounding).
+  const auto now = static_cast<std::int64_t>(alloc::getDeviceStats(index).requested_bytes[kAggregate].current);
+  w.live = now;
+  w.peak = now;
+  w.on = true;
+}
+
+// Free memory an allocation could still get on `index`: the driver's free memory, and under a memory
+// fraction what is left of it beside what torch holds. Sets `limit` to what the process may hold in all.
+std::size_t free_for_allocation(c10::DeviceIndex index, std::size_t* limit) {
+  std::size_t free_bytes = 0, total = 0;
+  if (cudaMemGetInfo(&free_bytes, &total) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return std::numeric_limits<std::size_t>::max();  // unknown: no pressure is assumed
+  }
+  const auto reserved = static_cast<std::size_t>(alloc::getDeviceStats(index).reserved_bytes[kAggregate].current);
+  const double fraction = alloc::getMemoryFraction(index);
+  const auto allowed = static_cast<std::size_t>(std::min(1.0, fraction) * static_cast<double>(total));
+  const std::size_t held_room = allowed > reserved ? allowed - reserved : 0;
+  if (limit != nullptr) *limit = std::min(free_bytes + reserved, allowed);
+  return std::min(free_bytes, held_room);
+}
+
+DeviceMemoryView cuda_memory_view(DeviceState& state, const VramBudget& budget) {
+  const c10::DeviceIndex index = state.device().index();
+  DeviceMemoryView view;
+  if (index >= 0 && index < kMostDevices && windows()[index].on) {
+    view.peak = static_cast<std::size_t>(std::max<std::int64_t>(windows()[index].peak.load(), 0));
+  } else {  // no window yet (a plan before any training forward cannot happen; kept for safety)
+    view.peak = static_cast<std::size_t>(alloc::getDeviceStats(index).requested_bytes[kAggregate].peak);
+  }
+  if (!budget.automatic) {
+    view.limit = budget.bytes;
+    return view;
+  }
+  const c10::cuda::CUDAGuard guard(index);
+  (void)free_for_allocation(index, &view.limit);
+  return view;
+}
+
+// torch's allocator runs this when no cached block fits an allocation, before it asks the driver (and
+// before it frees its cache and tries again, then raises out of memory). It runs at every such miss, also
+// when the driver has room, so it gives memory back only when the device is short of it: below the
+// headroom the budget's plan left. What it frees goes to the allocator's cache, which the allocator
+// releases to the driver before its last try.
+class YieldToPressure : public c10::FreeMemoryCallback {
+ public:
+  bool Execute() override {
+    const c10::DeviceIndex index = c10::cuda::current_device();
+    bool freed = false;
+    std::size_t room = std::numeric_limits<std::size_t>::max();
+    bool measured = false;
+    for (const auto& state : DeviceState::live()) {
+      if (state->mode() != Mode::kCuda || state->device().index() != index) continue;
+      const std::size_t threshold = state->pressure_threshold();
+      if (threshold == 0) continue;  // nothing resident by a plan
+      if (!measured) {
+        room = free_for_allocation(index, nullptr);
+        measured = true;
+      }
+      if (room < threshold) freed = state->yield_for_pressure(std::numeric_limits<std::size_t>::max()) || freed;
+    }
+    return freed;
+  }
+};
+
+}  // namespace
+
+void install_cuda_memory_probe() {
+  DeviceState::set_memory_resolver(&cuda_memory_view, &start_window);
+}
+
+}  // namespace layerstream::torchglue
+
+namespace c10 {
+REGISTER_FREE_MEMORY_CALLBACK(layerstream_yield_to_pressure, layerstream::torchglue::YieldToPressure)
+}  // namespace c10
+
+#else
+
+namespace layerstream::torchglue {
+void install_cuda_memory_probe() {}
+}  // namespace layerstream::torchglue
+
+#endif

@@ -1,0 +1,257 @@
+"""The VRAM budget's memory is lent, not taken: "min" by default, a windowed peak, and resident layers that
+give their memory back when another allocation of the process needs it (issue 20).
+
+On the simulator a device allocation that does not fit calls the engine's pressure hook first, as torch's
+caching allocator runs its free-memory callbacks; `_sim_device_alloc` plays the user's allocation (a text
+encoder loaded again, a larger bucket). The CUDA cases run where there is a GPU: the model placed on the
+device before attach (as AI-Toolkit's flux2_model.py does), an earlier peak, then training."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from conftest import clear_device_states
+from contract_driver import ContractManager
+from layerstream import manager_modules as mm
+from models import TinyTransformer, apply_lora
+
+MiB = 1 << 20
+
+
+def _train(model, loras, device, lengths, between=lambda step: None):
+    """LoRA steps over the sequence lengths given (a run of several buckets); returns the losses."""
+    opt = torch.optim.AdamW([p for lo in loras for p in lo.parameters()], lr=1e-2)
+    g = torch.Generator().manual_seed(21)
+    losses = []
+    for step, tokens in enumerate(lengths):
+        x = torch.randn(2, tokens, 256, generator=g).to(device)
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        mm.sync_grad_transfers()
+        opt.step()
+        losses.append(loss.item())
+        between(step)
+    return losses
+
+
+def _base(seed=31):
+    torch.manual_seed(seed)
+    return TinyTransformer(d=256, ff=512, layers=4, checkpointing="non_reentrant").requires_grad_(False)
+
+
+def _linear_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, torch.nn.Linear)
+               for p in m.parameters())
+
+
+LENGTHS = [6, 6, 6, 10, 6, 10, 6, 6, 10, 6, 6, 6]
+
+
+def test_resident_layers_give_memory_back_to_an_allocation_that_needs_it_and_the_budget_plans_again(
+        engine, device, monkeypatch, caplog):
+    """A 12 MiB simulated card, an auto budget: after the first steps every layer (8 MiB) stays on the
+    device beside a 2 MiB ring. Then the "user" asks for 6 MiB between two steps: it does not fit, so idle
+    resident layers give theirs back (largest first) and the allocation succeeds instead of failing; the
+    budget plans again from the next steps, whose peak includes the user's memory, with twice the headroom;
+    once the user frees it, nothing more is yielded. Every loss is the all-resident run's, steps of two
+    lengths alternating, and the race checker sees no unordered access."""
+    if engine != "sim":
+        pytest.skip("the simulated card signals the pressure; the CUDA case is below")
+    monkeypatch.setenv("LAYERSTREAM_SIM_DEVICE_MB", "12")
+    monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "auto")
+    monkeypatch.setenv("LAYERSTREAM_RING_MB", "2")
+    base = _base()
+    resident = copy.deepcopy(base)
+    ref = _train(resident, apply_lora(resident), device, LENGTHS)
+
+    managed = copy.deepcopy(base)
+    ContractManager.attach(mm, managed, device).to_device()
+    state = mm._DEVICE_STATE[device]
+    seen = {}
+    held = []
+
+    def between(step):
+        stats = state.stats()
+        seen[step] = stats
+        if step == 3:
+            assert stats["vram_budget_planned"] == 1 and stats["resident_bytes"] >= _linear_bytes(base)
+            held.append(state._sim_device_alloc(6 * MiB))  # fits only if resident layers make room
+        if step == 9:
+            state._sim_device_free(held.pop())
+
+    with caplog.at_level(logging.INFO, logger="layerstream"):
+        losses = _train(managed, apply_lora(managed), device, LENGTHS, between)
+    assert losses == ref
+    after_yield = seen[4]
+    assert after_yield["pressure_yields"] == 1
+    assert after_yield["pressure_yielded_bytes"] >= 6 * MiB
+    # Planned again from the steps that held the user's 6 MiB: fewer layers stay, and all of it fits.
+    replanned = seen[8]
+    assert replanned["vram_budget_planned"] == 1
+    assert 0 < replanned["resident_bytes"] < _linear_bytes(base)
+    assert replanned["ring_bytes"] + replanned["resident_bytes"] + 6 * MiB <= 12 * MiB
+    assert state.stats()["pressure_yields"] == 1
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("found no room" in m and "plans again from the next training steps with 10% headroom" in m
+               for m in messages)
+    assert sum("VRAM budget on" in m for m in messages) == 2  # the first plan and the one after the yield
+
+
+def test_without_a_budget_an_allocation_that_does_not_fit_still_fails_and_nothing_changes(engine, device,
+                                                                                         monkeypatch):
+    """The default (min) keeps no layer resident: there is nothing to give back, so an allocation larger
+    than what is free fails as it would without layerstream, with the simulator's message, and training
+    goes on."""
+    if engine != "sim":
+        pytest.skip("the simulated card signals the pressure")
+    monkeypatch.setenv("LAYERSTREAM_SIM_DEVICE_MB", "12")
+    monkeypatch.setenv("LAYERSTREAM_RING_MB", "2")
+    base = _base()
+    resident = copy.deepcopy(base)
+    ref = _train(resident, apply_lora(resident), device, LENGTHS[:4])
+    managed = copy.deepcopy(base)
+    ContractManager.attach(mm, managed, device).to_device()
+    state = mm._DEVICE_STATE[device]
+
+    def between(step):
+        if step == 1:
+            with pytest.raises(RuntimeError, match="out of memory on the simulated device: 11534336 bytes"):
+                state._sim_device_alloc(11 * MiB)
+
+    assert _train(managed, apply_lora(managed), device, LENGTHS[:4], between) == ref
+    stats = state.stats()
+    assert stats["pressure_yields"] == 0 and stats["resident_bytes"] == 0 and stats["vram_budget_planned"] == 0
+
+
+def test_vram_budget_min_is_the_default_said_explicitly(engine, device, monkeypatch):
+    """LAYERSTREAM_VRAM_BUDGET=min is what an unset variable does: no plan, no resident layer, the same
+    ring and the same bytes per step."""
+    if engine != "sim":
+        pytest.skip("the ring and its bytes per step are the engine's (sim here, CUDA in the GPU suite)")
+    base = _base()
+    moved = {}
+    for setting in (None, "min"):
+        clear_device_states()
+        if setting:
+            monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", setting)
+        managed = copy.deepcopy(base)
+        ContractManager.attach(mm, managed, device).to_device()
+        _train(managed, apply_lora(managed), device, LENGTHS[:3])
+        stats = mm._DEVICE_STATE[device].stats()
+        moved[setting] = (stats["ring_bytes"], stats["bytes_h2d"], stats["resident_bytes"], stats["vram_budget_planned"])
+    assert moved[None] == moved["min"]
+    assert moved[None][2:] == (0, 0)
+
+
+def _gpu_or_skip(engine):
+    if engine != "cuda":
+        pytest.skip("a CUDA device and torch's caching allocator (the simulator's twins are above)")
+
+
+def test_min_ring_is_sized_from_the_layers_not_from_the_device(engine, device, monkeypatch):
+    """On a GPU the default ring holds four of the largest layer (never more than the layers take): about
+    what the stock manager keeps, not a share of the card."""
+    _gpu_or_skip(engine)
+    monkeypatch.delenv("LAYERSTREAM_RING_MB", raising=False)
+    monkeypatch.delenv("LAYERSTREAM_VRAM_BUDGET", raising=False)
+    clear_device_states()
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)]).requires_grad_(False)
+    ContractManager.attach(mm, model, device).to_device()
+    with torch.no_grad():
+        model(torch.randn(4, 1024, device=device))
+    layer = 1024 * 1024 * 4 + 1024 * 4  # float32 weight, then its bias (at a 256-byte offset: no padding here)
+    assert mm._DEVICE_STATE[device].stats()["ring_bytes"] == 4 * layer
+
+
+def test_an_earlier_peak_on_the_gpu_does_not_shrink_the_budget(engine, device, monkeypatch, caplog):
+    """AI-Toolkit places the model on the GPU before attach and caches text embeddings with the encoder on
+    the GPU: the process's peak is far above the training step's. The budget measures from the first
+    training forward, so a 2 GiB allocation freed before training changes nothing: every layer stays (the
+    card has room), as without it, and the losses are the all-resident run's."""
+    _gpu_or_skip(engine)
+    monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "auto")
+    base = _base()
+    resident = copy.deepcopy(base).to(device)
+    ref = _train(resident, [lo.to(device) for lo in apply_lora(resident)], device, LENGTHS[:6])
+    plans = {}
+    for earlier in (0, 2048):
+        clear_device_states()
+        managed = copy.deepcopy(base).to(device)  # on the GPU before attach, as AI-Toolkit does
+        if earlier:
+            encoder = torch.empty(earlier * MiB, dtype=torch.uint8, device=device)
+            del encoder  # freed, but torch's peak (and its cache) remember it
+        ContractManager.attach(mm, managed, device).to_device()
+        with caplog.at_level(logging.INFO, logger="layerstream"):
+            losses = _train(managed, [lo.to(device) for lo in apply_lora(managed)], device, LENGTHS[:6])
+        assert losses == ref
+        stats = mm._DEVICE_STATE[device].stats()
+        plans[earlier] = (stats["vram_budget_planned"], stats["resident_bytes"])
+    assert plans[2048] == plans[0]
+    assert plans[0][0] == 1 and plans[0][1] >= _linear_bytes(base)
+    assert torch.cuda.max_memory_allocated(device) >= 2048 * MiB  # the application's own peak is untouched
+
+
+def test_resident_layers_give_memory_back_to_a_torch_allocation_on_the_gpu(engine, device, monkeypatch, caplog):
+    """Under a memory fraction the card is full of resident layers after the plan; a tensor the user then
+    allocates gets their memory (torch's allocator runs layerstream's free-memory callback) instead of an
+    out-of-memory error, the budget plans again, and the losses stay the all-resident run's."""
+    _gpu_or_skip(engine)
+    monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "auto")
+    torch.cuda.empty_cache()
+    base = TinyTransformer(d=1024, ff=4096, layers=8, checkpointing="non_reentrant").requires_grad_(False)
+    weights = _linear_bytes(base)
+    resident = copy.deepcopy(base).to(device)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(2, 64, 1024, generator=g) for _ in range(8)]
+
+    def run(model, between=lambda step: None):
+        loras = [lo.to(device) for lo in apply_lora(model)]
+        opt = torch.optim.AdamW([p for lo in loras for p in lo.parameters()], lr=1e-3)
+        out = []
+        for step, x in enumerate(xs):
+            opt.zero_grad(set_to_none=True)
+            loss = model(x.to(device)).float().pow(2).mean()
+            loss.backward()
+            mm.sync_grad_transfers()
+            opt.step()
+            out.append(loss.item())
+            between(step)
+        return out
+
+    ref = run(resident)
+    del resident
+    clear_device_states()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    baseline = torch.cuda.memory_reserved(device)
+    cap = baseline + weights + 512 * MiB  # room for the ring, the activations and all resident layers
+    old_fraction = torch.cuda.get_per_process_memory_fraction(device)
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    held = []
+    try:
+        managed = copy.deepcopy(base)
+        ContractManager.attach(mm, managed, device).to_device()
+        state = mm._DEVICE_STATE[device]
+
+        def between(step):
+            if step == 3:
+                assert state.stats()["resident_bytes"] > weights // 2
+                held.append(torch.empty(weights // 2, dtype=torch.uint8, device=device))  # the user's
+            if step == 6:
+                held.clear()
+
+        with caplog.at_level(logging.INFO, logger="layerstream"):
+            losses = run(managed, between)
+        assert losses == ref
+        assert state.stats()["pressure_yields"] >= 1
+        assert any("found no room" in r.getMessage() for r in caplog.records)
+    finally:
+        held.clear()
+        clear_device_states()
+        torch.cuda.set_per_process_memory_fraction(old_fraction, device)
+        torch.cuda.empty_cache()
