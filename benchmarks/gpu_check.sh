@@ -28,6 +28,9 @@
 #          layerstream under a 24 GiB cap with that cap as layerstream's VRAM budget
 #   lossless  LAYERSTREAM_HOST_DTYPE=lossless: the decoder's bandwidth, FLUX.1 100% streamed and FLUX.2
 #          under a 24 GiB cap, layerstream alone (LAYERSTREAM_LOSSLESS_RUNS picks; about 5 minutes)
+#   mem    memory first: FLUX.1 100% streamed stock vs layerstream's default ring; AI-Toolkit's flow (model on the
+#          GPU before attach, an encoder freed, samples, buckets) under 24 GiB: resident, layerstream auto, stock at
+#          0.5, and layerstream auto with 4 GiB taken by the user between steps (LAYERSTREAM_MEM_RUNS picks)
 #   rings  FLUX.1-shaped bf16 100% streamed, layerstream alone, at several ring sizes, lookaheads and
 #          placements (LAYERSTREAM_PERF_RINGS="default default:lru 1024 1536x16:lru ...": MiB, x layers,
 #          :fifo or :lru for LAYERSTREAM_RING_POLICY)
@@ -433,6 +436,33 @@ if want lossless && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
     flux lossless_flux2cap LAYERSTREAM_VRAM_BUDGET=24GiB "${LENVS[@]}" --preset flux2 --mode layerstream \
       --host-dtype lossless --vram-cap-gb 24 --warmup 3 --steps 3 "${REF2[@]}" "${SWEEP[@]}"
     grep -E "^  layerstream, decode blocks" "$OUT/all.log" | tail -n 8 | sed 's/^/      /' >>"$OUT/summary.txt"
+  fi
+fi
+
+if want mem; then
+  # Memory first (issue 20). LAYERSTREAM_MEM_RUNS picks among min, flow, stockflow, pressure (default: all);
+  # about 2, 2.5, 1.5 and 1.5 minutes.
+  ensure_installed
+  MRUNS=",${LAYERSTREAM_MEM_RUNS:-min,flow,stockflow,pressure},"
+  if [[ $MRUNS == *,min,* ]]; then
+    step "FLUX.1 100% streamed: stock vs layerstream's default (min), peak VRAM side by side"
+    flux mem_flux1_min --preset flux1 --mode stock,layerstream --warmup 2 --steps 3
+  fi
+  # AI-Toolkit's flow: the model on the GPU before attach, a 9.5 GiB encoder made and freed, a sample before the
+  # first step and every 4, steps cycling through three buckets; the cap set after the model is placed.
+  FLOW=(--preset flux1 --aitk-flow --vram-cap-gb 24 --warmup 3 --steps 6)
+  if [[ $MRUNS == *,flow,* ]]; then
+    step "AI-Toolkit's flow under a 24 GiB cap: resident vs layerstream auto"
+    flux mem_flux1_flow LAYERSTREAM_VRAM_BUDGET=auto "${FLOW[@]}" --mode resident,layerstream
+  fi
+  if [[ $MRUNS == *,stockflow,* ]]; then
+    step "AI-Toolkit's flow under a 24 GiB cap: stock at offload_percent 0.5 (its best under the cap, 2026-11-30)"
+    flux mem_flux1_flow_stock "${FLOW[@]}" --mode stock --offload-percent 0.5
+  fi
+  if [[ $MRUNS == *,pressure,* ]]; then
+    step "AI-Toolkit's flow under a 24 GiB cap, layerstream auto, the user takes 4 GiB before step 4 for 2 steps"
+    flux mem_flux1_pressure LAYERSTREAM_VRAM_BUDGET=auto "${FLOW[@]}" --mode layerstream --user-alloc-gb 4
+    grep -E "found no room|VRAM budget on" "$OUT/all.log" | tail -n 6 | sed 's/^/      /' >>"$OUT/summary.txt"
   fi
 fi
 

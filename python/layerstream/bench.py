@@ -682,6 +682,13 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
     counters = stock_counter.stats if stock_counter is not None else (
         layerstream_stats if mode == "layerstream" else None)
     t0 = time.perf_counter()
+    if args.aitk_flow and device.type == "cuda":
+        # AI-Toolkit's flow (extensions_built_in/diffusion_models/flux2/flux2_model.py): the transformer goes to
+        # the GPU before MemoryManager.attach, and a text encoder comes to the GPU to cache the prompts' embeddings
+        # and goes again; both leave their mark on the process's peak and on torch's cache.
+        model.to(device)
+        encoder = torch.empty(int(args.encoder_gb * GiB), dtype=torch.uint8, device=device)
+        del encoder
     if package is None:
         model.to(device)
     else:
@@ -694,10 +701,18 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
     if cap is not None:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+    if args.aitk_flow and device.type == "cuda":
+        # The table's peak is the training run's (the model's placement and the encoder are before it);
+        # layerstream's budget measures its own window and reads none of torch's peak statistics.
+        torch.cuda.reset_peak_memory_stats(device)
 
     inputs_gen = torch.Generator().manual_seed(args.seed)
     img, txt, vec = (torch.randn(shape, generator=inputs_gen, dtype=DTYPE).to(device)
                      for shape in ((1, cfg.img_tokens, cfg.hidden), (1, cfg.txt_tokens, cfg.hidden), (1, cfg.hidden)))
+    # --aitk-flow: buckets of several resolutions, one after the other (AI-Toolkit's default 512/768/1024 is
+    # 1/4, 9/16 and all of the image tokens).
+    bucket_imgs = [img[:, :max(1, int(cfg.img_tokens * f))] for f in args.buckets] if args.aitk_flow else [img]
+    current = [img]
     optimizer = torch.optim.AdamW(network.parameters(), lr=1e-4)
     # AI-Toolkit's trainer joins the manager's gradient copies once per step, before the optimizer; do the same
     # (here only the LoRA trains and it lives on the device, so there is nothing to wait for, but it is called).
@@ -705,7 +720,7 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
 
     def one_step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        loss = model(img, txt, vec).float().pow(2).mean()
+        loss = model(current[0], txt, vec).float().pow(2).mean()
         loss.backward()
         if sync_grads is not None:
             sync_grads()
@@ -716,7 +731,22 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
     stats_at_start = None
     nvml = _Nvml(device.index or 0) if device.type == "cuda" else None
     energy_start = None
+    user_memory = []  # --user-alloc-gb: what "the user" holds on the device between some steps
+
+    def sample() -> None:  # a sample under no_grad, as AI-Toolkit's sampling between steps
+        with torch.no_grad():
+            model(bucket_imgs[-1], txt, vec)
+
+    if args.aitk_flow:
+        sample()  # AI-Toolkit samples before its first step by default
     for step in range(args.warmup + args.steps):
+        current[0] = bucket_imgs[step % len(bucket_imgs)]
+        if args.user_alloc_gb and device.type == "cuda":
+            if step == args.user_alloc_at:
+                user_memory.append(torch.empty(int(args.user_alloc_gb * GiB), dtype=torch.uint8, device=device))
+                print(f"[{mode}] the user took {args.user_alloc_gb} GiB of the device before step {step}", flush=True)
+            elif step == args.user_alloc_at + args.user_alloc_steps:
+                user_memory.clear()
         if step == args.warmup and counters is not None:
             stats_at_start = counters()
         _sync(device)
@@ -728,6 +758,10 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
             times.append(elapsed)
         print(f"[{mode}] step {step}{' (warmup)' if step < args.warmup else ''}: {elapsed:.3f} s, "
               f"loss {losses[-1]:.6g}", flush=True)
+        if args.aitk_flow and args.sample_every and (step + 1) % args.sample_every == 0:
+            sample()
+    user_memory.clear()
+    current[0] = img
 
     energy_end = nvml.energy_mj() if nvml is not None else None
     # The counters at the end of the timed steps: the steps below copy too, and counting them would add a
@@ -758,6 +792,7 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
         "peak_vram_allocated_bytes": None, "peak_vram_reserved_bytes": None, "peak_rss_bytes": peak_rss_bytes(),
         "pinned_bytes": None, "pinned_bytes_exact": None, "bytes_per_step": None, "engine_stats": None,
         "joules_per_step": joules_per_step, "timeline": timeline, "phases": phases,
+        "aitk_flow": bool(args.aitk_flow),
     }
     if sweep is not None:
         row["decode_blocks_sweep"] = sweep
@@ -932,7 +967,9 @@ def budget_plans(rows: list[dict]) -> str:
             f"  {r['mode']}: VRAM budget plan: ring {s.get('ring_bytes', 0) / 2**20:.1f} MiB, "
             f"{s.get('resident_layers', 0)} layers ({s.get('resident_bytes', 0) / 2**20:.1f} MiB) resident; "
             f"estimated {s.get('vram_budget_estimate', 0) / 2**20:.1f} MiB/step over the bus, measured "
-            f"{'-' if measured is None else f'{measured / 2**20:.1f}'}")
+            f"{'-' if measured is None else f'{measured / 2**20:.1f}'}"
+            f"; yielded to memory pressure {s.get('pressure_yields', 0)} time(s), "
+            f"{s.get('pressure_yielded_bytes', 0) / 2**20:.1f} MiB")
     return "budget plans:\n" + "\n".join(lines) if lines else ""
 
 
@@ -1003,6 +1040,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "mode, resident included: 2026-11-30)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--aitk-flow", action="store_true",
+                        help="as AI-Toolkit runs: the model on the GPU before attach, a text-encoder-sized "
+                             "allocation made and freed before training, a no_grad sample before the first step "
+                             "and every --sample-every steps, steps cycling through --buckets")
+    parser.add_argument("--encoder-gb", type=float, default=9.5,
+                        help="--aitk-flow: the text encoder's GiB on the device before training (T5-XXL bf16: 9.5)")
+    parser.add_argument("--sample-every", type=int, default=4, help="--aitk-flow: a sample every N steps (0: none)")
+    parser.add_argument("--buckets", type=lambda v: [float(f) for f in v.split(",")], default=[1.0, 0.5625, 0.25],
+                        help="--aitk-flow: the image tokens of each bucket as fractions of the preset's "
+                             "(default 1,0.5625,0.25: AI-Toolkit's 1024/768/512)")
+    parser.add_argument("--user-alloc-gb", type=float, default=0.0,
+                        help="GPU: before step --user-alloc-at the user takes this many GiB of the device, for "
+                             "--user-alloc-steps steps (memory pressure)")
+    parser.add_argument("--user-alloc-at", type=int, default=4)
+    parser.add_argument("--user-alloc-steps", type=int, default=2)
     parser.add_argument("--json-out", help="write the results as JSON")
     parser.add_argument("--md-out", help="write the table as markdown, with the command, date, GPU and torch")
     # Set by `--mode all` for its children: the parent measures the bandwidth and the floor once for all.
