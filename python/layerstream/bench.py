@@ -735,7 +735,7 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
 
     def sample() -> None:  # a sample under no_grad, as AI-Toolkit's sampling between steps
         with torch.no_grad():
-            model(bucket_imgs[-1], txt, vec)
+            model(bucket_imgs[0], txt, vec)
 
     if args.aitk_flow:
         sample()  # AI-Toolkit samples before its first step by default
