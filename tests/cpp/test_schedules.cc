@@ -207,6 +207,7 @@ Outcome run_schedule(std::uint64_t seed, Protocol protocol) {
         const std::size_t j = (i + pick(1, layers.size() - 1)) % layers.size();
         Lease a = engine.fetch(layers[i].id);
         Lease b = engine.fetch(layers[j].id);
+        if (pick(0, 7) == 0) engine.yield_resident(pick(1, 2 * largest));  // pressure while two are held
         read(a, layers[i], consumer);
         read(b, layers[j], consumer);
         release(b, consumer);
@@ -215,7 +216,9 @@ Outcome run_schedule(std::uint64_t seed, Protocol protocol) {
         engine.prefetch(layers[pick(0, layers.size() - 1)].id);  // ahead of need; may be evicted unused
       } else if (what < 90) {
         const LayerId id = layers[pick(0, layers.size() - 1)].id;  // residency comes and goes
-        if (engine.resident(id)) {
+        if (pick(0, 2) == 0) {
+          engine.yield_resident(pick(1, 2 * largest));  // memory pressure: idle resident copies go
+        } else if (engine.resident(id)) {
           engine.evict_resident(id);
         } else {
           engine.make_resident(id);
