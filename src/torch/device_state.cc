@@ -81,33 +81,6 @@ std::optional<std::size_t> env_whole(const char* name, bool allow_zero, const ch
   return static_cast<std::size_t>(n);
 }
 
-VramBudget VramBudget::parse(const char* text) {
-  VramBudget b;
-  if (text == nullptr || *text == '\0') return b;
-  const std::string v(text);
-  b.enabled = true;
-  if (v == "auto") {
-    b.automatic = true;
-    return b;
-  }
-  char* end = nullptr;
-  const double number = std::strtod(v.c_str(), &end);
-  std::string unit(end);
-  double scale = 0;
-  if (unit.empty() || unit == "B") scale = 1;
-  else if (unit == "KiB") scale = 1024.0;
-  else if (unit == "MiB") scale = 1024.0 * 1024;
-  else if (unit == "GiB") scale = 1024.0 * 1024 * 1024;
-  else if (unit == "KB") scale = 1e3;
-  else if (unit == "MB") scale = 1e6;
-  else if (unit == "GB") scale = 1e9;
-  LS_CHECK_ARG(end != v.c_str() && scale > 0 && number > 0, "LAYERSTREAM_VRAM_BUDGET=", v,
-               " is not understood; give 'auto' (free device memory minus a headroom) or a size such as 24GiB, "
-               "24GB, 20000MiB or a number of bytes");
-  b.bytes = static_cast<std::size_t>(number * scale);
-  return b;
-}
-
 void DeviceState::set_memory_resolver(MemoryResolver resolver) { memory_resolver() = std::move(resolver); }
 
 HostBlockRef::HostBlockRef(std::shared_ptr<HostPool> pool, std::size_t bytes)

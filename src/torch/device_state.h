@@ -34,6 +34,7 @@
 #include "layerstream/pinned_arena.h"
 #include "layerstream/shared_host.h"
 #include "layerstream/transfer_engine.h"
+#include "settings.h"
 
 namespace layerstream::torchglue {
 
@@ -73,14 +74,6 @@ class HostBlockRef {
 struct DeviceMemoryView {
   std::size_t limit = 0;  // bytes the process may use ("auto": free + its own reserved, under torch's fraction)
   std::size_t peak = 0;   // the most the process has held (torch's peak reserved on CUDA)
-};
-
-// LAYERSTREAM_VRAM_BUDGET, parsed: "auto", or a size such as 24GiB, 24GB, 20000MiB or 2.5e10 (bytes).
-struct VramBudget {
-  bool enabled = false;
-  bool automatic = false;
-  std::size_t bytes = 0;  // when not automatic
-  static VramBudget parse(const char* text);  // throws InvalidArgument with the accepted forms
 };
 
 // How a quantized or packed layer's weight was rebuilt for one use: into its ring region's scratch, found

@@ -25,6 +25,7 @@
 
 #include "device_state.h"
 #include "host_share.h"
+#include "settings.h"
 #include "layerstream/check.h"
 #include "layerstream/log.h"
 #include "layerstream/sim_backend.h"
@@ -36,6 +37,11 @@
 
 namespace py = pybind11;
 using namespace layerstream;
+
+namespace layerstream::torchglue {
+void bind_settings(py::module_& m);  // settings_binding.cc
+}  // namespace layerstream::torchglue
+
 using namespace layerstream::torchglue;
 
 namespace {
@@ -723,6 +729,14 @@ void check_torch_version() {
 PYBIND11_MODULE(manager_modules, m) {
   check_torch_version();
   route_log_to_python();
+  // The settings are read and checked now: a bad value fails the import (its ValueError the cause of the
+  // ImportError), not the first layer call minutes into a run.
+  try {
+    Settings::refresh();
+  } catch (const InvalidArgument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    throw py::error_already_set();
+  }
   m.doc() = "layerstream's drop-in replacement for AI-Toolkit's toolkit/memory_management/manager_modules.py";
 
   py::register_exception_translator([](std::exception_ptr p) {
@@ -856,6 +870,7 @@ PYBIND11_MODULE(manager_modules, m) {
     }
     log_step_telemetry();
   }, "Joins every pending device-to-host gradient copy (call before reading .grad or stepping).");
+  bind_settings(m);
   m.def("stats", &stats, "Totals over every live device state: bytes moved, reuse, host memory.");
   m.def("live_device_states", [] { return DeviceState::live().size(); },
         "How many device states are alive (each holds streams, events and a ring).");
