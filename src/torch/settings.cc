@@ -21,7 +21,6 @@ namespace {
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 constexpr std::uint64_t kMostMiB = std::uint64_t{1} << 30;  // 1 PiB: more than any host or device holds
 constexpr const char* kMiBRange = "MiB up to 1073741824 (1 PiB)";
-constexpr unsigned kMostDecodeBlocks = 1u << 16;  // the decode kernel's own limit
 constexpr double kMostTimeoutS = 365.0 * 24 * 3600;
 
 // Digits only (no sign, space or exponent), within 64 bits; nullopt otherwise.

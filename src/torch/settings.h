@@ -34,6 +34,8 @@ struct VramBudget {
   static VramBudget parse(const char* text);  // throws InvalidArgument with the accepted forms
 };
 
+constexpr unsigned kMostDecodeBlocks = 1u << 16;  // LAYERSTREAM_DECODE_BLOCKS: the decode kernel's own limit
+
 enum class CpuBackend { kCpu, kSim };  // LAYERSTREAM_BACKEND: how a CPU process device runs
 enum class HostDtype { kSame, kLossless, kFloat8E4M3, kFloat8E5M2 };
 enum class ShareHost { kAuto, kOn, kOff };
