@@ -40,11 +40,6 @@ namespace layerstream::torchglue {
 
 enum class Mode { kCuda, kSim, kCpu };
 
-// A whole number from the environment, at most `most` (`unit` names what it counts and, with a bound, the
-// range, for the message); nullopt when unset. InvalidArgument, with an example, when it is not one.
-std::optional<std::size_t> env_whole(const char* name, bool allow_zero, const char* unit, const char* example,
-                                     std::size_t most = static_cast<std::size_t>(-1));
-
 // Host memory shared between the engine and tensors: the backend that pinned it and the arena.
 struct HostPool {
   std::shared_ptr<Backend> backend;
