@@ -308,8 +308,8 @@ std::shared_ptr<const Settings> Settings::current() {
 }
 
 void Settings::refresh() {
+  warn_unknown_names();  // outside the lock: the log sink may wait for Python's GIL
   std::lock_guard<std::mutex> lock(mu());
-  warn_unknown_names();
   snapshot() = read_locked(overrides());
 }
 
