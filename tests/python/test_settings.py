@@ -57,13 +57,15 @@ REFUSED = [
     ("RING_MB", "-1", f"is not a positive whole number of {MIB_RANGE}; unset it or give e.g. LAYERSTREAM_RING_MB=3072"),
     ("RING_MB", "17592186044417",  # 2^44 + 1 MiB: wrapped around to a 1 MiB ring
      f"is not a positive whole number of {MIB_RANGE}; unset it or give e.g. LAYERSTREAM_RING_MB=3072"),
-    ("RING_MB", " 64", f"is not a positive whole number of {MIB_RANGE}; unset it or give e.g. LAYERSTREAM_RING_MB=3072"),
+    ("RING_MB", " 64",
+     f"is not a positive whole number of {MIB_RANGE}; unset it or give e.g. LAYERSTREAM_RING_MB=3072"),
     ("CHUNK_MB", "0", f"is not a positive whole number of {MIB_RANGE}; unset it or give e.g. LAYERSTREAM_CHUNK_MB=256"),
     ("PINNED_CAP_MB", "99999999999999999999999",
      f"is not a positive whole number of {MIB_RANGE}; unset it or give e.g. LAYERSTREAM_PINNED_CAP_MB=65536"),
     ("SIM_DEVICE_MB", "1.5",
      f"is not a positive whole number of {MIB_RANGE}; unset it or give e.g. LAYERSTREAM_SIM_DEVICE_MB=2048"),
-    ("SIM_PINNABLE_MB", "-1", f"is not a whole number of {MIB_RANGE}; unset it or give e.g. LAYERSTREAM_SIM_PINNABLE_MB=1"),
+    ("SIM_PINNABLE_MB", "-1",
+     f"is not a whole number of {MIB_RANGE}; unset it or give e.g. LAYERSTREAM_SIM_PINNABLE_MB=1"),
     ("VRAM_BUDGET", "inf", BUDGET),
     ("VRAM_BUDGET", "1e-9", BUDGET),
     ("VRAM_BUDGET", "nan", BUDGET),
@@ -73,7 +75,8 @@ REFUSED = [
      "is not a whole number of optimizer steps (0: never); unset it or give e.g. LAYERSTREAM_LOG_EVERY=100"),
     ("PREFETCH", "maybe", f"{SWITCH} LAYERSTREAM_PREFETCH=0"),
     ("TIME_WAITS", "2", f"{SWITCH} LAYERSTREAM_TIME_WAITS=1"),
-    ("PREFETCH_LAYERS", "0", "is not a positive whole number of layers; unset it or give e.g. LAYERSTREAM_PREFETCH_LAYERS=16"),
+    ("PREFETCH_LAYERS", "0",
+     "is not a positive whole number of layers; unset it or give e.g. LAYERSTREAM_PREFETCH_LAYERS=16"),
     ("DECODE_BLOCKS", "-3", "is not a whole number of thread blocks from 0 (no limit) to 65536; unset it or give e.g. "
                             "LAYERSTREAM_DECODE_BLOCKS=64"),
     ("SIM_FAULTS", "seed", "is not a whole number (the seed of the simulator's fault injector); unset it or give e.g. "
