@@ -672,7 +672,7 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
           f"{f', quantized to {args.quantize}' if args.quantize else ''} in {build_s:.1f} s", flush=True)
 
     if mode == "layerstream" and args.host_dtype:
-        os.environ["LAYERSTREAM_HOST_DTYPE"] = args.host_dtype  # read when the layers are packed
+        os.environ["LAYERSTREAM_HOST_DTYPE"] = args.host_dtype  # read when attach creates the device state
     if mode == "layerstream":
         # How long compute waits for copies (two event records per fetch: well under 1% of a step).
         os.environ.setdefault("LAYERSTREAM_TIME_WAITS", "1")

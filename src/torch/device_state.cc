@@ -41,11 +41,6 @@ std::vector<std::weak_ptr<DeviceState>>& registry() {
   return *r;
 }
 
-std::size_t env_mib(const char* name, std::size_t fallback, bool allow_zero = false) {
-  const std::optional<std::size_t> mib = env_whole(name, allow_zero, "MiB", "1024");
-  return mib ? *mib * kMiB : fallback;
-}
-
 DeviceState::MemoryResolver& memory_resolver() {
   static auto* r = new DeviceState::MemoryResolver();
   return *r;
@@ -76,47 +71,6 @@ cudaStream_t allocation_stream(c10::DeviceIndex index) {
 
 }  // namespace
 
-std::optional<std::size_t> env_whole(const char* name, bool allow_zero, const char* unit, const char* example,
-                                     std::size_t most) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return std::nullopt;
-  char* end = nullptr;
-  const unsigned long long n = std::strtoull(v, &end, 10);
-  LS_CHECK_ARG(end != v && *end == '\0' && (n > 0 || allow_zero) && n <= most, name, "=", v, " is not a ",
-               allow_zero ? "" : "positive ", "whole number of ", unit, "; unset it or give e.g. ", name, "=",
-               example);
-  return static_cast<std::size_t>(n);
-}
-
-VramBudget VramBudget::parse(const char* text) {
-  VramBudget b;
-  if (text == nullptr || *text == '\0') return b;
-  const std::string v(text);
-  if (v == "min") return b;  // the default, said explicitly
-  b.enabled = true;
-  if (v == "auto") {
-    b.automatic = true;
-    return b;
-  }
-  char* end = nullptr;
-  const double number = std::strtod(v.c_str(), &end);
-  std::string unit(end);
-  double scale = 0;
-  if (unit.empty() || unit == "B") scale = 1;
-  else if (unit == "KiB") scale = 1024.0;
-  else if (unit == "MiB") scale = 1024.0 * 1024;
-  else if (unit == "GiB") scale = 1024.0 * 1024 * 1024;
-  else if (unit == "KB") scale = 1e3;
-  else if (unit == "MB") scale = 1e6;
-  else if (unit == "GB") scale = 1e9;
-  LS_CHECK_ARG(end != v.c_str() && scale > 0 && number > 0, "LAYERSTREAM_VRAM_BUDGET=", v,
-               " is not understood; give 'min' (the default: the least device memory, no layer kept), 'auto' (free "
-               "device memory minus a headroom, given back when the process needs it) or a size such as 24GiB, "
-               "24GB, 20000MiB or a number of bytes");
-  b.bytes = static_cast<std::size_t>(number * scale);
-  return b;
-}
-
 void DeviceState::set_memory_resolver(MemoryResolver resolver, PeakWindowStarter start_peak_window) {
   memory_resolver() = std::move(resolver);
   peak_window_starter() = std::move(start_peak_window);
@@ -145,22 +99,17 @@ HostBlockRef::~HostBlockRef() {
 }
 
 DeviceState::DeviceState(const c10::Device& device, Mode mode) : device_(device), mode_(mode) {
-  if (const char* p = std::getenv("LAYERSTREAM_PREFETCH"); p != nullptr && std::string(p) == "0") prefetch_ = false;
-  resident_budget_ = env_mib("LAYERSTREAM_RESIDENT_MB", 0, /*allow_zero=*/true);
-  lookahead_layers_ = env_whole("LAYERSTREAM_PREFETCH_LAYERS", false, "layers", "16").value_or(lookahead_layers_);
-  if (const char* p = std::getenv("LAYERSTREAM_RING_POLICY"); p != nullptr && *p != '\0') {
-    const std::string v(p);
-    LS_CHECK_ARG(v == "fifo" || v == "lru", "LAYERSTREAM_RING_POLICY=", v,
-                 " is not understood; give fifo (the default: a region goes at the ring's head) or lru (over "
-                 "the memory used longest ago)");
-    ring_policy_ = v == "lru" ? RingPolicy::kLeastRecentlyUsed : RingPolicy::kFifo;
-  }
-  vram_budget_ = VramBudget::parse(std::getenv("LAYERSTREAM_VRAM_BUDGET"));
-  ring_fixed_ = std::getenv("LAYERSTREAM_RING_MB") != nullptr;
+  const std::shared_ptr<const Settings> settings = Settings::current();
+  prefetch_ = settings->prefetch;
+  resident_budget_ = settings->resident_bytes;
+  lookahead_layers_ = settings->prefetch_layers;
+  ring_policy_ = settings->ring_policy;
+  vram_budget_ = settings->vram_budget;
+  ring_fixed_ = settings->ring_bytes.has_value();
   pool_ = std::make_shared<HostPool>();
   ArenaOptions arena;
-  arena.chunk_bytes = env_mib("LAYERSTREAM_CHUNK_MB", 256 * kMiB);
-  arena.pinned_cap_bytes = std::getenv("LAYERSTREAM_PINNED_CAP_MB") ? env_mib("LAYERSTREAM_PINNED_CAP_MB", 0) : 0;
+  arena.chunk_bytes = settings->chunk_bytes;
+  arena.pinned_cap_bytes = settings->pinned_cap_bytes.value_or(0);
   switch (mode) {
     case Mode::kCuda:
       pool_->backend = std::shared_ptr<Backend>(make_cuda_backend(device.index()));
@@ -170,13 +119,11 @@ DeviceState::DeviceState(const c10::Device& device, Mode mode) : device_(device)
       o.device = device.has_index() ? device.index() : 0;  // cpu:N: a second simulated device
       o.device_capacity_bytes = std::size_t{64} << 30;  // the host's memory stands in for the device's
       // Tests: a small simulated card, and a platform that pins only so much (a tiny `ulimit -l`).
-      if (std::getenv("LAYERSTREAM_SIM_DEVICE_MB")) o.device_capacity_bytes = env_mib("LAYERSTREAM_SIM_DEVICE_MB", 0);
-      if (std::getenv("LAYERSTREAM_SIM_PINNABLE_MB")) {
-        o.pinned_capacity_bytes = env_mib("LAYERSTREAM_SIM_PINNABLE_MB", 0, /*allow_zero=*/true);
-      }
-      if (const char* faults = std::getenv("LAYERSTREAM_SIM_FAULTS"); faults != nullptr && *faults != '\0') {
+      o.device_capacity_bytes = settings->sim_device_bytes.value_or(o.device_capacity_bytes);
+      if (settings->sim_pinnable_bytes) o.pinned_capacity_bytes = *settings->sim_pinnable_bytes;
+      if (settings->sim_faults) {
         // Tests: delay operations and scramble copies (the value seeds the injector).
-        o.seed = std::strtoull(faults, nullptr, 10);
+        o.seed = *settings->sim_faults;
         o.delay_probability = 0.5;
         o.max_delay_us = 200;
         o.scramble_copies = true;
@@ -240,7 +187,7 @@ std::size_t DeviceState::ring_bytes_for(std::size_t layer_bytes) const {
   const std::size_t aligned = ring_unit(layer_bytes);
   // Three of the largest layer guarantee room for the next one wherever the held one sits, with
   // headroom for reuse; on a GPU at least ring_floor().
-  const std::size_t wanted = env_mib("LAYERSTREAM_RING_MB", std::max(3 * aligned, ring_floor()));
+  const std::size_t wanted = Settings::current()->ring_bytes.value_or(std::max(3 * aligned, ring_floor()));
   LS_CHECK_ARG(wanted >= aligned, "LAYERSTREAM_RING_MB is ", wanted / kMiB,
                " MiB, smaller than a layer of ", layer_bytes, " bytes; raise it to at least ",
                (aligned + kMiB - 1) / kMiB, " MiB (3x that is better)");
@@ -277,9 +224,7 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
     shrink_pending_ = false;
   }
   // LAYERSTREAM_TIME_WAITS=1: measure how long compute waits for copies (stats: copy_wait_us).
-  if (const char* t = std::getenv("LAYERSTREAM_TIME_WAITS"); t != nullptr && std::string(t) == "1") {
-    options.time_waits = true;
-  }
+  options.time_waits = Settings::current()->time_waits;
 #ifdef LAYERSTREAM_TORCH_CUDA
   if (mode_ == Mode::kCuda) {
     // Ring memory from torch's caching allocator: it then counts in torch.cuda.memory_allocated() and

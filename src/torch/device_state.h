@@ -34,15 +34,11 @@
 #include "layerstream/pinned_arena.h"
 #include "layerstream/shared_host.h"
 #include "layerstream/transfer_engine.h"
+#include "settings.h"
 
 namespace layerstream::torchglue {
 
 enum class Mode { kCuda, kSim, kCpu };
-
-// A whole number from the environment, at most `most` (`unit` names what it counts and, with a bound, the
-// range, for the message); nullopt when unset. InvalidArgument, with an example, when it is not one.
-std::optional<std::size_t> env_whole(const char* name, bool allow_zero, const char* unit, const char* example,
-                                     std::size_t most = static_cast<std::size_t>(-1));
 
 // Host memory shared between the engine and tensors: the backend that pinned it and the arena.
 struct HostPool {
@@ -73,15 +69,6 @@ class HostBlockRef {
 struct DeviceMemoryView {
   std::size_t limit = 0;  // bytes the process may use ("auto": free + its own reserved, under torch's fraction)
   std::size_t peak = 0;   // the most the process has held (torch's peak reserved on CUDA)
-};
-
-// LAYERSTREAM_VRAM_BUDGET, parsed: "min" (the default: no plan, the least ring), "auto", or a size such as
-// 24GiB, 24GB, 20000MiB or 2.5e10 (bytes).
-struct VramBudget {
-  bool enabled = false;
-  bool automatic = false;
-  std::size_t bytes = 0;  // when not automatic
-  static VramBudget parse(const char* text);  // throws InvalidArgument with the accepted forms
 };
 
 // How a quantized or packed layer's weight was rebuilt for one use: into its ring region's scratch, found
@@ -124,13 +111,11 @@ class DeviceState {
   // The engine, built (or rebuilt larger) so that its ring holds a layer of `layer_bytes`. A rebuild
   // changes `generation()`: layers then register again.
   TransferEngine& engine_for(std::size_t layer_bytes);
-  // A layer of `bytes` packed bytes was attached: the engine built at the first call sizes its ring for
-  // the largest of them (so the ring need not grow, a rebuild, as larger layers come along).
-  // `device_bytes`: what it takes in the ring, its scratch included (a quantized layer's dequantized
-  // weight): the ring's floor grows by the same factor, so that it still looks as far ahead in copies.
-  void note_attached(std::size_t bytes, std::size_t device_bytes) {
+  // A layer that takes `device_bytes` in the ring (its scratch included: a quantized layer's dequantized
+  // weight) was attached: the engine built at the first call sizes its ring for the largest of them (so the
+  // ring need not grow, a rebuild, as larger layers come along).
+  void note_attached(std::size_t device_bytes) {
     raise_to(largest_attached_, device_bytes);
-    raise_to(ring_expansion_permille_, device_bytes * 1000 / std::max<std::size_t>(bytes, 1));
     attached_device_bytes_ += device_bytes;
   }
   // The engine as it is (nullptr before the first streamed call), never building one.
@@ -212,7 +197,6 @@ class DeviceState {
   RingPolicy ring_policy_ = RingPolicy::kFifo;  // LAYERSTREAM_RING_POLICY
   std::atomic<std::size_t> largest_attached_{0};
   std::atomic<std::size_t> attached_device_bytes_{0};  // every layer's device_bytes ever attached here
-  std::atomic<std::size_t> ring_expansion_permille_{1000};  // largest device_bytes / bytes of a layer, x1000
   static void raise_to(std::atomic<std::size_t>& value, std::size_t to) {
     std::size_t seen = value.load();
     while (to > seen && !value.compare_exchange_weak(seen, to)) {

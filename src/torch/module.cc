@@ -26,6 +26,7 @@
 #include "cuda_memory.h"
 #include "device_state.h"
 #include "host_share.h"
+#include "settings.h"
 #include "layerstream/check.h"
 #include "layerstream/log.h"
 #include "layerstream/sim_backend.h"
@@ -37,6 +38,11 @@
 
 namespace py = pybind11;
 using namespace layerstream;
+
+namespace layerstream::torchglue {
+void bind_settings(py::module_& m);  // settings_binding.cc
+}  // namespace layerstream::torchglue
+
 using namespace layerstream::torchglue;
 
 namespace {
@@ -82,6 +88,8 @@ std::shared_ptr<DeviceState> state_for(const py::object& device_obj) {
     if (py::isinstance<DeviceStateHandle>(entry)) return entry.cast<DeviceStateHandle&>().state;
   }
   at::Device device = key.cast<at::Device>();
+  // A new device state reads the environment again (tests change it between states); a bad value fails here.
+  Settings::refresh();
   Mode mode;
   if (device.is_cuda()) {
 #ifdef LAYERSTREAM_TORCH_CUDA
@@ -99,12 +107,7 @@ std::shared_ptr<DeviceState> state_for(const py::object& device_obj) {
                           device.str() + "; rebuild layerstream in the environment that has the CUDA torch");
 #endif
   } else {
-    const char* backend = std::getenv("LAYERSTREAM_BACKEND");
-    const std::string b = backend ? backend : "";
-    if (!b.empty() && b != "sim" && b != "cpu") {
-      throw py::value_error("LAYERSTREAM_BACKEND=" + b + " is not understood; use 'sim' or 'cpu' (or unset it)");
-    }
-    mode = b == "sim" ? Mode::kSim : Mode::kCpu;
+    mode = Settings::current()->backend == CpuBackend::kSim ? Mode::kSim : Mode::kCpu;
   }
   auto state = DeviceState::create(device, mode);
   states[key] = py::cast(DeviceStateHandle{state});
@@ -561,15 +564,12 @@ py::dict stats() {
 
 // LAYERSTREAM_SHARE_HOST (host_share.h): one host copy for the ranks of a host.
 std::optional<ShareConfig> resolve_share() {
-  const char* setting = std::getenv("LAYERSTREAM_SHARE_HOST");
-  const std::string mode = setting != nullptr && *setting != '\0' ? setting : "auto";
-  if (mode == "0" || mode == "off") return std::nullopt;
-  LS_CHECK_ARG(mode == "auto" || mode == "1" || mode == "on", "LAYERSTREAM_SHARE_HOST=", mode,
-               " is not a setting layerstream knows: auto (the default), 1 or 0");
-  const char* world = std::getenv("LOCAL_WORLD_SIZE");
-  const char* rank = std::getenv("LOCAL_RANK");
+  const std::shared_ptr<const Settings> settings = Settings::current();
+  if (settings->share_host == ShareHost::kOff) return std::nullopt;
+  const char* world = settings->local_world_size ? settings->local_world_size->c_str() : nullptr;
+  const char* rank = settings->local_rank ? settings->local_rank->c_str() : nullptr;
   if (world == nullptr || rank == nullptr || std::atoi(world) <= 1) {
-    if (mode != "auto") {
+    if (settings->share_host == ShareHost::kOn) {
       log_once("share-no-ranks", LogLevel::kWarning,
                "LAYERSTREAM_SHARE_HOST is on but LOCAL_RANK / LOCAL_WORLD_SIZE (set by torchrun and accelerate) "
                "do not name several ranks on this host: nothing to share");
@@ -581,18 +581,15 @@ std::optional<ShareConfig> resolve_share() {
   config.local_rank = std::atoi(rank);
   LS_CHECK_ARG(config.local_rank >= 0 && config.local_rank < config.local_world, "LOCAL_RANK=", rank,
                " is not below LOCAL_WORLD_SIZE=", world);
-  if (const char* t = std::getenv("LAYERSTREAM_SHARE_TIMEOUT_S"); t != nullptr && *t != '\0') {
-    config.timeout_s = std::atof(t);
-    LS_CHECK_ARG(config.timeout_s > 0, "LAYERSTREAM_SHARE_TIMEOUT_S must be a positive number of seconds, not ", t);
-  }
-  const char* run_id = std::getenv("TORCHELASTIC_RUN_ID");
-  if (const char* token = std::getenv("LAYERSTREAM_SHARE_TOKEN"); token != nullptr && *token != '\0') {
-    config.token = token;
-  } else if (run_id != nullptr && *run_id != '\0') {
+  config.timeout_s = settings->share_timeout_s;
+  const char* run_id = settings->torchelastic_run_id ? settings->torchelastic_run_id->c_str() : nullptr;
+  if (settings->share_token) {
+    config.token = *settings->share_token;
+  } else if (run_id != nullptr) {
     // torchrun (and accelerate, which uses it) starts the local ranks from one agent process, with the
     // same run id and master port: the name follows from those without any collective call, so a rank
     // that attaches alone (or late) never blocks the others.
-    const char* port = std::getenv("MASTER_PORT");
+    const char* port = settings->master_port ? settings->master_port->c_str() : nullptr;
     const std::string key = std::string(run_id) + "/" + (port ? port : "") + "/" + std::to_string(::getppid());
     char hex[17];
     std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(std::hash<std::string>{}(key)));
@@ -617,10 +614,6 @@ std::optional<ShareConfig> resolve_share() {
     }
     dist.attr("broadcast_object_list")(box, py::arg("src") = 0);
     config.token = box[0].cast<std::string>();
-  }
-  for (char c : config.token) {
-    LS_CHECK_ARG(std::isalnum(static_cast<unsigned char>(c)) || c == '_', "LAYERSTREAM_SHARE_TOKEN must be letters, "
-                 "digits and underscores, not '", config.token, "'");
   }
   return config;
 }
@@ -653,8 +646,7 @@ void log_step_telemetry() {
   static std::uint64_t steps = 0;
   static py::dict* last = nullptr;
   static auto last_time = std::chrono::steady_clock::now();
-  const char* every_env = std::getenv("LAYERSTREAM_LOG_EVERY");
-  const std::uint64_t every = every_env ? std::strtoull(every_env, nullptr, 10) : 100;
+  const std::uint64_t every = Settings::current()->log_every;
   if (every == 0 || ++steps % every != 0) return;
   py::dict now = stats();
   const auto now_time = std::chrono::steady_clock::now();
@@ -698,6 +690,14 @@ void check_torch_version() {
 PYBIND11_MODULE(manager_modules, m) {
   check_torch_version();
   route_log_to_python();
+  // The settings are read and checked now: a bad value fails the import (its ValueError the cause of the
+  // ImportError), not the first layer call minutes into a run.
+  try {
+    Settings::refresh();
+  } catch (const InvalidArgument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    throw py::error_already_set();
+  }
   m.doc() = "layerstream's drop-in replacement for AI-Toolkit's toolkit/memory_management/manager_modules.py";
 
   py::register_exception_translator([](std::exception_ptr p) {
@@ -848,6 +848,7 @@ PYBIND11_MODULE(manager_modules, m) {
     }
     log_step_telemetry();
   }, "Joins every pending device-to-host gradient copy (call before reading .grad or stepping).");
+  bind_settings(m);
   m.def("stats", &stats, "Totals over every live device state: bytes moved, reuse, host memory.");
   m.def("live_device_states", [] { return DeviceState::live().size(); },
         "How many device states are alive (each holds streams, events and a ring).");

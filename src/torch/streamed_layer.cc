@@ -160,17 +160,10 @@ struct HostStorage {
 
 HostStorage host_storage_setting() {
   HostStorage h;
-  const char* v = std::getenv("LAYERSTREAM_HOST_DTYPE");
-  if (v == nullptr || *v == '\0') return h;
-  const std::string s(v);
-  if (s == "float8_e4m3fn") h.float8 = at::kFloat8_e4m3fn;
-  if (s == "float8_e5m2") h.float8 = at::kFloat8_e5m2;
-  h.lossless = s == "lossless";
-  LS_CHECK_ARG(h.any() || s == "same", "LAYERSTREAM_HOST_DTYPE=", s,
-               " is not a setting layerstream knows: use lossless (frozen bfloat16 weights kept and streamed "
-               "exactly, in about three quarters of their bytes), float8_e4m3fn or float8_e5m2 (frozen weights "
-               "kept and streamed as 8-bit codes with a scale per output channel), or unset it (or 'same') to "
-               "stream weights as they are");
+  const HostDtype d = Settings::current()->host_dtype;
+  if (d == HostDtype::kFloat8E4M3) h.float8 = at::kFloat8_e4m3fn;
+  if (d == HostDtype::kFloat8E5M2) h.float8 = at::kFloat8_e5m2;
+  h.lossless = d == HostDtype::kLossless;
   return h;
 }
 
@@ -294,7 +287,7 @@ void StreamedLayer::install(std::shared_ptr<HostBlockRef> block, Packed w, Packe
   quant_ = std::move(q);
   scratch_ = scratch_bytes_locked();  // once per packing, not per call
   // The first ring is sized for the largest layer, its scratch included.
-  state_->note_attached(block_->block().bytes, device_bytes(block_->block().bytes, scratch_));
+  state_->note_attached(device_bytes(block_->block().bytes, scratch_));
 }
 
 namespace {
@@ -601,15 +594,8 @@ void run_lossless_decode(const LosslessSpec& spec, const at::Tensor& codes, at::
 #endif
 }
 
-constexpr unsigned kMostDecodeBlocks = 1u << 16;  // the kernel's own limit
-
 std::atomic<unsigned>& decode_blocks_setting() {
-  static std::atomic<unsigned> blocks{[] {
-    const std::string unit = detail::concat("thread blocks from 0 (no limit) to ", kMostDecodeBlocks);
-    return static_cast<unsigned>(
-        env_whole("LAYERSTREAM_DECODE_BLOCKS", /*allow_zero=*/true, unit.c_str(), "64", kMostDecodeBlocks)
-            .value_or(0));
-  }()};
+  static std::atomic<unsigned> blocks{Settings::current()->decode_blocks};
   return blocks;
 }
 
@@ -743,7 +729,6 @@ TransferEngine::FillHook StreamedLayer::fill_hook_locked() const {
   }
 #if defined(LAYERSTREAM_WITH_CUDA) && defined(LAYERSTREAM_TORCH_CUDA)
   const c10::DeviceIndex device = state_->device().index();
-  (void)decode_blocks();  // a bad LAYERSTREAM_DECODE_BLOCKS fails here, at the layer's registration
   return [spec, device](void* region, void* scratch, StreamHandle stream) {
     const c10::cuda::CUDAGuard guard(device);
     lossless_decode_cuda(spec, region, scratch, stream.raw, decode_blocks());

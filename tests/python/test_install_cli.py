@@ -120,6 +120,19 @@ def test_install_then_uninstall_restores_the_tree(tmp_path, mode, source):
     assert _probe(root) == "stock"
 
 
+@pytest.mark.parametrize("mode", ["patch", "copy"])
+def test_a_bad_setting_stops_the_installed_checkout_instead_of_running_stock(tmp_path, mode):
+    """The patch's hook falls back to stock when layerstream cannot load; a bad LAYERSTREAM_* setting is no
+    such case: the import fails with the setting's message (it used to warn and train on stock)."""
+    root = _make_checkout(tmp_path / "ai-toolkit", None)
+    assert _cli("install", root, "--mode", mode, "--force").returncode == 0
+    result = subprocess.run([sys.executable, "-c", PROBE], cwd=root, capture_output=True, text=True,
+                            env={**os.environ, "LAYERSTREAM_RING_MB": "-1"})
+    assert result.returncode != 0 and "ENGINE" not in result.stdout
+    assert ("ValueError: LAYERSTREAM_RING_MB=-1 is not a positive whole number of MiB up to 1073741824 (1 PiB); "
+            "unset it or give e.g. LAYERSTREAM_RING_MB=3072") in result.stderr
+
+
 def test_failures_are_messages_with_a_remedy(tmp_path):
     not_checkout = _cli("install", tmp_path)
     assert not_checkout.returncode == 2
