@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from conftest import aitk_dirs
 from layerstream import manager_modules as mm
 from layerstream.aitk import load_memory_management
+from linear_checks import compressed_reference
 from models import TinyTransformer, apply_lora
 
 DIRS = aitk_dirs()
@@ -184,3 +185,106 @@ def test_the_common_case_keeps_the_copy_overlapped(engine, device, checkpointing
     managed(x).pow(2).mean().backward()
     assert pending == [6]  # three weights and three biases still in flight
     assert mm.stats()["downloads_pending"] == 0
+
+
+# ---- the matrix a trainer produces ------------------------------------------------------------------------
+
+
+def _trainable(model, loras):
+    return [p for lo in loras for p in lo.parameters()] if loras is not None else list(model.parameters())
+
+
+def _fuse_steps(params, micro):
+    """A fused optimizer step in a post-accumulate-grad hook (as AI-Toolkit's Automagic optimizers do), with
+    accumulation of its own (as Adafactor's stochastic accumulation does): each micro-step's gradient is read
+    in the hook and taken out of .grad; the last one steps."""
+    for p in params:
+        opt = torch.optim.AdamW([p], lr=1e-2)
+        state = {"n": 0, "sum": None}
+
+        def hook(p, opt=opt, state=state):
+            state["sum"] = p.grad.float() if state["sum"] is None else state["sum"] + p.grad.float()
+            p.grad = None
+            state["n"] += 1
+            if state["n"] % micro == 0:
+                p.grad = state["sum"].to(p.dtype)
+                state["sum"] = None
+                opt.step()
+                p.grad = None
+
+        p.register_post_accumulate_grad_hook(hook)
+
+
+def _train(model, params, device, micro, step, steps=2, reference=None):
+    """`steps` optimizer steps of `micro` micro-steps each; with a `reference` (model, params), the same on it
+    in lockstep, every loss and every accumulated gradient compared."""
+    opts = [torch.optim.AdamW(ps, lr=1e-2) for ps in ([params] + ([reference[1]] if reference else []))]
+    if step == "fused":
+        _fuse_steps(params, micro)
+        if reference:
+            _fuse_steps(reference[1], micro)
+    g = torch.Generator().manual_seed(7)
+    width = model.norm.normalized_shape[0]
+    for _ in range(steps):
+        for _ in range(micro):
+            x = torch.randn(2, 5, width, generator=g).to(device, model.norm.weight.dtype)
+            losses = []
+            for m in [model] + ([reference[0]] if reference else []):
+                loss = m(x).float().pow(2).mean() / micro
+                loss.backward()
+                losses.append(loss.item())
+            assert losses[1:] == losses[:1] * (len(losses) - 1)
+        if step == "plain":
+            if reference:
+                for a, b in zip(reference[1], params):
+                    assert torch.equal(a.grad, b.grad.to(a.device))
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+
+# Every combination for weights stored as they are; LAYERSTREAM_HOST_DTYPE applies to frozen weights only,
+# so with a full fine-tune (nothing frozen among the Linears) one corner of it checks that they stay exact.
+MATRIX = [
+    pytest.param(training, checkpointing, micro, step, storage,
+                 id=f"{training}-{checkpointing or 'plain'}-x{micro}-{step}-{storage}")
+    for training in ("lora", "full")
+    for checkpointing in (None, "reentrant", "non_reentrant")
+    for micro in (1, 4)
+    for step in ("plain", "fused")
+    for storage in ("same", "float8_e4m3fn", "lossless")
+    if storage == "same" or training == "lora" or (checkpointing == "non_reentrant" and micro == 4)
+]
+
+
+@pytest.mark.parametrize("engine", ["sim", "cuda"], indirect=True)
+@pytest.mark.parametrize("training,checkpointing,micro,step,storage", MATRIX)
+def test_training_matrix(engine, device, monkeypatch, training, checkpointing, micro, step, storage):
+    if storage != "same":
+        monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", storage)
+    torch.manual_seed(12)
+    base = TinyTransformer(d=32, heads=2, ff=64, layers=1, checkpointing=checkpointing).to(torch.bfloat16)
+    if training == "lora":
+        base.requires_grad_(False)
+    reference = copy.deepcopy(base)
+    if storage == "float8_e4m3fn" and training == "lora":
+        # Frozen weights stream as float8 codes: the reference computes with what the device sees.
+        with torch.no_grad():
+            for m in reference.modules():
+                if isinstance(m, torch.nn.Linear):
+                    m.weight.copy_(compressed_reference(m.weight, torch.float8_e4m3fn))
+    reference.to(device)
+    managed = attach(copy.deepcopy(base), device)
+    if storage != "same" and training == "lora":
+        expected = "Float8_e4m3fn" if storage == "float8_e4m3fn" else "lossless BFloat16"
+        stored = {m._layer_memory_manager.stored_as for m in managed.modules() if isinstance(m, torch.nn.Linear)}
+        assert stored == {expected}
+    loras = ref_loras = None
+    if training == "lora":
+        ref_loras = [lo.to(device, torch.bfloat16) for lo in apply_lora(reference)]
+        loras = [lo.to(device, torch.bfloat16) for lo in apply_lora(managed)]
+    params, ref_params = _trainable(managed, loras), _trainable(reference, ref_loras)
+    # Two optimizer steps when each is one micro-step: the second forward reads the updated weights.
+    _train(managed, params, device, micro, step, steps=2 if micro == 1 else 1, reference=(reference, ref_params))
+    for a, b in zip(ref_params, params):
+        assert torch.equal(a, b.to(a.device))
