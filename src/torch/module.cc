@@ -513,6 +513,7 @@ py::dict stats_dict(const StateStats& s) {
   d["host_bytes_requested"] = s.engine.arena.bytes_requested;
   d["ring_bytes"] = s.engine.ring_capacity;
   d["leases_outstanding"] = s.engine.leases_outstanding;
+  d["downloads_pending"] = s.engine.downloads_pending;  // gradient copies not yet joined
   d["engines_built"] = s.engines_built;
   d["prefetches"] = s.engine.prefetches;
   d["prefetch_hits"] = s.engine.prefetch_hits;

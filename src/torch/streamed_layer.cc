@@ -4,13 +4,19 @@
 #include <c10/util/accumulate.h>
 #include <c10/util/strides.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
+#include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "layerstream/check.h"
 #include "layerstream/dequant.h"
@@ -834,7 +840,84 @@ at::Tensor StreamedLayer::compute_forward(const at::Tensor& x) {
   });
 }
 
-at::Tensor StreamedLayer::grad_to_host(at::Tensor grad, const at::Tensor& param) {
+namespace {
+
+using torch::autograd::Node;
+
+// The edges into `node` in the current backward pass (autograd's dependency count, which it does not
+// export), or -1 outside one. `running` is the node being evaluated: when it is the pass's root (the one
+// output's grad_fn) it is not among the pass's recorded nodes, whose edges are counted once per pass.
+// Not counted: edges of the placeholder root of a backward with several outputs, which lead into a
+// leaf only when the leaf itself is one of those outputs.
+int edges_into(const Node* node, Node* running) {
+  const int task = torch::autograd::get_current_graph_task_id();
+  const std::unordered_set<Node*>* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
+  if (task < 0 || nodes == nullptr) return -1;
+  int from_root = 0;
+  if (running != nullptr && nodes->count(running) == 0) {
+    for (const auto& edge : running->next_edges()) from_root += edge.function.get() == node ? 1 : 0;
+  }
+  struct Counted {
+    int task;
+    std::unordered_map<const Node*, int> edges;
+  };
+  static std::mutex mu;
+  // The last few passes: a reentrant checkpoint's inner passes run inside the outer one.
+  static std::deque<Counted> recent;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = std::find_if(recent.begin(), recent.end(), [&](const Counted& c) { return c.task == task; });
+  if (it == recent.end()) {
+    Counted c{task, {}};
+    // All alive while the pass runs: each is held by the edges that lead to it.
+    for (const Node* n : *nodes) {
+      for (const auto& edge : n->next_edges()) {
+        if (edge.function) ++c.edges[edge.function.get()];
+      }
+    }
+    recent.push_front(std::move(c));
+    if (recent.size() > 4) recent.pop_back();
+    it = recent.begin();
+  }
+  const auto found = it->edges.find(node);
+  return from_root + (found == it->edges.end() ? 0 : found->second);
+}
+
+// Whether autograd, or code it calls, may read the gradient returned now for the Parameter `real` (saved
+// for backward as `saved`: itself, or a detached alias under non-reentrant checkpointing) before the
+// backward pass ends. Only the first and only contribution to a leaf's empty .grad, with nothing hooked,
+// is not read: AccumulateGrad adopts it as .grad as it is. Everything else reads it as soon as it is
+// returned: autograd's InputBuffer adds contributions that meet at a node (a layer called twice, tied
+// weights), AccumulateGrad adds into a .grad that is there, tensor pre-hooks and post-accumulate-grad
+// hooks (fused optimizer steps) see it, hooks on the accumulator (DDP's) read .grad, anomaly mode checks
+// it, torch.autograd.grad (or backward(inputs=...)) captures it, post-hooks of the layer's own node see
+// it. When in doubt, it may be read.
+bool read_before_backward_ends(const at::Tensor& real, const at::Tensor& saved) {
+  namespace impl = torch::autograd::impl;
+  if (at::GradMode::is_enabled() || torch::autograd::AnomalyMode::is_enabled()) return true;
+  if (!real.defined() || !real.requires_grad() || !real.is_leaf()) return true;
+  const bool same = real.unsafeGetTensorImpl() == saved.unsafeGetTensorImpl() ||
+                    (saved.has_storage() && real.has_storage() &&
+                     real.storage().unsafeGetStorageImpl() == saved.storage().unsafeGetStorageImpl() &&
+                     real.data_ptr() == saved.data_ptr() && real.sizes() == saved.sizes() &&
+                     real.strides() == saved.strides());
+  if (!same) return true;  // not the Parameter the layer holds now (replaced since the forward)
+  if (real.grad().defined() || !impl::hooks(real).empty() || impl::post_acc_grad_hooks(real)) return true;
+  const c10::intrusive_ptr<Node> acc = impl::try_get_grad_accumulator(real);
+  if (!acc || !acc->pre_hooks().empty() || !acc->post_hooks().empty() || !acc->tensor_pre_hooks().empty() ||
+      !acc->retains_grad_hooks().empty()) {
+    return true;
+  }
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  if (exec_info != nullptr && !exec_info->empty()) return true;
+  // Our own node's post-hooks (a hook on the layer output's grad_fn) see what we return.
+  const c10::intrusive_ptr<Node> running = torch::autograd::get_current_node();
+  if (!running || !running->post_hooks().empty()) return true;
+  return edges_into(acc.get(), running.get()) != 1;
+}
+
+}  // namespace
+
+at::Tensor StreamedLayer::grad_to_host(at::Tensor grad, const at::Tensor& param, bool is_bias) {
   // The bytes travel in the staging tensor's layout, which is the Parameter's own (layout_of): autograd
   // then adopts the staging tensor as .grad as it is (AccumulateGrad steals a gradient that obeys the
   // layout contract and that nobody else references) instead of cloning it, which would copy memory the
@@ -866,9 +949,19 @@ at::Tensor StreamedLayer::grad_to_host(at::Tensor grad, const at::Tensor& param)
   // back to the allocator (and be handed out again) before then. The storage is kept, not the tensor: a
   // second reference to the tensor would make AccumulateGrad clone it (see above).
   state_->keep_until_synced(staging.storage());
-  // With a gradient already there, autograd adds into it as soon as we return; with create_graph
-  // (grad mode on in backward) it clones the new one: either way every pending copy must have landed.
-  if (param.grad().defined() || at::GradMode::is_enabled()) {
+  // The Parameter itself, which the layer remembers (weakly): what autograd saved for backward may be a
+  // detached alias (non-reentrant checkpointing), whose .grad and hooks are not the Parameter's.
+  at::Tensor real;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Packed& packed = is_bias ? bias_ : weight_;
+    if (packed.impl) {
+      if (auto impl = packed.impl->lock()) real = at::Tensor(std::move(impl));
+    }
+  }
+  const bool read_early = read_before_backward_ends(real, param);
+  if (read_early) {
+    // Read as soon as we return: every pending copy must have landed.
     state_->sync_downloads();
   } else {
     // Otherwise the copy overlaps the rest of backward and is joined when backward ends, so that .grad
@@ -882,6 +975,10 @@ at::Tensor StreamedLayer::grad_to_host(at::Tensor grad, const at::Tensor& param)
         if (auto state = weak.lock()) state->sync_downloads();
       });
     }
+  }
+  // The simulator's race checker sees autograd's read: one not ordered after the copy is a race.
+  if (read_early && state_->mode() == Mode::kSim) {
+    state_->backend().annotate_host_access(staging.data_ptr(), staging.nbytes(), false);
   }
   return staging;
 }
@@ -914,7 +1011,7 @@ std::array<at::Tensor, 3> StreamedLayer::compute_backward(const at::Tensor& grad
     }
     if (need_w) {
       const at::Tensor x2 = x.reshape({-1, x.size(-1)});
-      gw = grad_to_host(g2.t().mm(as_dtype(x2, dtype)), weight);
+      gw = grad_to_host(g2.t().mm(as_dtype(x2, dtype)), weight, false);
     }
     if (need_b) {
       // Contiguous (or 2-D) inputs take linear's fused addmm path: the bias gradient is a sum over the
@@ -927,7 +1024,7 @@ std::array<at::Tensor, 3> StreamedLayer::compute_backward(const at::Tensor& grad
         for (std::size_t i = 0; i < dims.size(); ++i) dims[i] = static_cast<std::int64_t>(i);
         g = grad_out.sum(dims, /*keepdim=*/true).view({out_features});
       }
-      gb = grad_to_host(g, bias);
+      gb = grad_to_host(g, bias, true);
     }
   } else {
     // convolution_backward is exactly what autograd runs for conv2d.
@@ -939,8 +1036,8 @@ std::array<at::Tensor, 3> StreamedLayer::compute_backward(const at::Tensor& grad
                                       conv_.groups, {need_x, need_w, need_b});
     });
     gx = std::get<0>(grads);
-    if (need_w) gw = grad_to_host(std::get<1>(grads), weight);
-    if (need_b) gb = grad_to_host(std::get<2>(grads), bias);
+    if (need_w) gw = grad_to_host(std::get<1>(grads), weight, false);
+    if (need_b) gb = grad_to_host(std::get<2>(grads), bias, true);
   }
   if (gx.defined() && x.defined() && gx.scalar_type() != x.scalar_type() && at::isFloatingType(x.scalar_type())) {
     gx = gx.to(x.scalar_type());

@@ -189,7 +189,10 @@ class StreamedLayer : public torch::CustomClassHolder {
   TransferEngine& registered_engine();
   // The engine this layer is registered in, or nullptr (not yet, or the engine was rebuilt since).
   TransferEngine* engine_if_registered();
-  at::Tensor grad_to_host(at::Tensor grad, const at::Tensor& param);
+  // Copies a gradient computed on the device into a new host tensor for autograd to take as the weight's
+  // (is_bias: the bias's) gradient. The copy overlaps the rest of backward where nothing reads the
+  // gradient before backward ends; otherwise it is joined before it is returned.
+  at::Tensor grad_to_host(at::Tensor grad, const at::Tensor& param, bool is_bias);
   static bool matches(const Packed& p, const at::Tensor& t);
 
   std::shared_ptr<DeviceState> state_;

@@ -1,4 +1,4 @@
-"""Checks shared by the fuzz tests: a managed Linear against torch's own linear with the weight it should
+"""Checks shared by the tests: a managed Linear against torch's own linear with the weight it should
 compute with, outputs and gradients compared bit for bit."""
 
 from __future__ import annotations
@@ -7,6 +7,16 @@ import torch
 import torch.nn.functional as F
 
 from layerstream import manager_modules as mm
+
+
+def compressed_reference(w: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    """What layerstream streams: codes with a float32 scale per output channel (amax / largest code)."""
+    top = torch.finfo(fp8).max
+    wf = w.detach().float()
+    scale = wf.abs().amax(dim=tuple(range(1, wf.dim())), keepdim=True) / top
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    codes = (wf / scale).clamp(-top, top).to(fp8)
+    return (codes.float() * scale).to(w.dtype)
 
 
 def check_forward(layer: torch.nn.Linear, x: torch.Tensor, weight: torch.Tensor, label: str) -> None:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from conftest import clear_device_states
 from layerstream import manager_modules as mm
-from linear_checks import check_forward, check_forward_backward, start_fuzz
+from linear_checks import check_forward, check_forward_backward, compressed_reference, start_fuzz
 
 quanto = pytest.importorskip("optimum.quanto", reason="optimum-quanto is not installed")
 
@@ -189,16 +189,6 @@ def test_quantized_layers_leave_no_host_memory_behind(engine, device):
 # ---- opt-in host compression of plain bf16/fp16 weights (LAYERSTREAM_HOST_DTYPE) -------------------------
 
 
-def _compressed_reference(w: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
-    """What layerstream streams: codes with a float32 scale per output channel (amax / largest code)."""
-    top = torch.finfo(fp8).max
-    wf = w.detach().float()
-    scale = wf.abs().amax(dim=tuple(range(1, wf.dim())), keepdim=True) / top
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    codes = (wf / scale).clamp(-top, top).to(fp8)
-    return (codes.float() * scale).to(w.dtype)
-
-
 @pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
 @pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv"])
 def test_host_compression_streams_half_the_bytes_within_its_error(engine, device, monkeypatch, fp8, conv):
@@ -209,7 +199,7 @@ def test_host_compression_streams_half_the_bytes_within_its_error(engine, device
     original = layer.weight.detach().clone()
     x = torch.randn((2, 8, 7, 7) if conv else (6, 96), dtype=torch.bfloat16, device=device)
     # layerstream makes the codes on the host (at attach): so does the reference.
-    w_streamed = _compressed_reference(original.cpu(), getattr(torch, fp8)).to(device)
+    w_streamed = compressed_reference(original.cpu(), getattr(torch, fp8)).to(device)
     math = (lambda w: F.conv2d(x, w, layer.bias)) if conv else (lambda w: F.linear(x, w, layer.bias))
     expected, exact = math(w_streamed), math(original)
 
@@ -290,7 +280,7 @@ def test_fuzz_quantized_and_compressed_layers_under_delays_and_scrambled_copies(
     def weight_of(layer, quantized):
         if quantized:
             return layer.weight.dequantize()
-        return _compressed_reference(layer.weight.detach(), torch.float8_e4m3fn)
+        return compressed_reference(layer.weight.detach(), torch.float8_e4m3fn)
 
     for op in range(300):
         layer, quantized, dtype = rng.choice(pool)
@@ -327,7 +317,7 @@ def test_a_replaced_weight_is_never_taken_for_the_one_it_replaced(engine, device
     for i in range(40):
         with torch.no_grad():
             out = layer(x)
-            ref = F.linear(x, _compressed_reference(layer.weight, torch.float8_e4m3fn).to(device),
+            ref = F.linear(x, compressed_reference(layer.weight, torch.float8_e4m3fn).to(device),
                            layer.bias.to(device))
         assert torch.equal(out, ref), f"replacement {i}"
         old = layer._parameters["weight"]
