@@ -104,6 +104,21 @@ struct StateStats {
   bool vram_budget_planned = false;
 };
 
+// Marks, on this thread, a layer forward that the caller runs with grad enabled. torch turns grad mode
+// off inside an autograd function's forward, where the layer is fetched, so the state cannot ask torch
+// there whether this use belongs to a training step (the VRAM budget plans from those).
+class GradForwardScope {
+ public:
+  explicit GradForwardScope(bool grad_enabled);
+  ~GradForwardScope();
+  GradForwardScope(const GradForwardScope&) = delete;
+  GradForwardScope& operator=(const GradForwardScope&) = delete;
+  static bool active();
+
+ private:
+  bool previous_;
+};
+
 class DeviceState {
  public:
   static std::shared_ptr<DeviceState> create(const c10::Device& device, Mode mode);
@@ -135,7 +150,9 @@ class DeviceState {
   // Records that `layer` (of the current engine) is in use, and issues the copies of the layers the
   // access predictor expects next, up to a third of the ring, so that they arrive ahead of need.
   // LAYERSTREAM_PREFETCH=0 turns this off (copies then happen only when a layer is called).
-  void note_use(LayerId layer);
+  // `fresh_each_use`: the layer copies its bytes again at every use (a trainable weight, see
+  // StreamedLayer::with_region), so a copy made ahead of need would be dropped unused: none is made.
+  void note_use(LayerId layer, bool fresh_each_use = false);
   // Called once per layer registered in the engine: keeps it resident on the device while the
   // LAYERSTREAM_RESIDENT_MB budget lasts (first come, first kept: forward order), streams it otherwise.
   void consider_residency(TransferEngine& engine, LayerId layer, std::size_t bytes);
@@ -217,10 +234,11 @@ class DeviceState {
   std::size_t planned_ring_bytes_ = 0;
   bool keep_plan_ = false;   // the next rebuild is the plan's own: it is not planned again
   std::unordered_set<const void*> planned_resident_;
+  std::unordered_set<LayerId> fresh_each_use_;  // note_use(): layers never copied ahead of need
   // Takes mu_. plan_now: the budget is to be planned now; waits_for_training: say that it waits for a
   // training step (both done by the caller, outside mu_).
   // prefetch_error: what a failed copy ahead of need raised (the caller logs it once, outside mu_).
-  void observe_and_prefetch(LayerId layer, bool& plan_now, bool& waits_for_training, std::string& prefetch_error);
+  void observe_and_prefetch(LayerId layer, bool fresh_each_use, bool& plan_now, bool& waits_for_training, std::string& prefetch_error);
   DeviceMemoryView memory_view();
   std::string apply_vram_budget_locked(const DeviceMemoryView& view);  // the line to log
   // A layer's packed bytes, or with in_ring what it takes in the ring (its scratch too); nullopt: removed
