@@ -268,8 +268,16 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
   return *engine_;
 }
 
-void DeviceState::note_use(LayerId layer) {
-  const UseOutcome outcome = observe_and_prefetch(layer);
+namespace {
+thread_local bool grad_forward = false;
+}  // namespace
+
+GradForwardScope::GradForwardScope(bool grad_enabled) : previous_(grad_forward) { grad_forward = grad_enabled; }
+GradForwardScope::~GradForwardScope() { grad_forward = previous_; }
+bool GradForwardScope::active() { return grad_forward; }
+
+void DeviceState::note_use(LayerId layer, bool fresh_each_use) {
+  const UseOutcome outcome = observe_and_prefetch(layer, fresh_each_use);
   if (!outcome.prefetch_error.empty()) {
     log_once("prefetch-failed", LogLevel::kWarning,
              "layerstream: a copy ahead of need could not be issued (" + outcome.prefetch_error +
@@ -354,7 +362,7 @@ DeviceMemoryView DeviceState::memory_view() {
   return view;
 }
 
-DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer) {
+DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer, bool fresh_each_use) {
   UseOutcome out;
   if (!prefetch_ && !vram_budget_.enabled && !pressure_pending_) return out;
   std::lock_guard<std::mutex> lock(mu_);  // also keeps the engine from being rebuilt meanwhile
@@ -366,6 +374,7 @@ DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer) {
     first_uses_.clear();
     seen_.clear();
     plan_uses_.clear();
+    fresh_each_use_.clear();
     budget_recording_ = false;
     if (!keep_plan_) {
       budget_planned_ = false;  // a rebuilt engine: plan its layers again
@@ -373,10 +382,17 @@ DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer) {
     }
     keep_plan_ = false;
   }
+  if (fresh_each_use) {
+    fresh_each_use_.insert(layer);
+  } else {
+    fresh_each_use_.erase(layer);
+  }
   const bool planning = vram_budget_.enabled && !budget_planned_;
   predictor_.observe(layer);
   if (planning && !budget_recording_) {
-    if (at::GradMode::is_enabled()) {  // a training forward: record from here (see budget_recording_)
+    // A training forward: record from here (see budget_recording_). An autograd function's forward runs
+    // with grad mode off: its caller says whether grad was on (GradForwardScope).
+    if (at::GradMode::is_enabled() || GradForwardScope::active()) {
       budget_recording_ = true;
       hits_before_recording_ = predictor_.stats().correct;
       start_peak_window_locked();
@@ -399,7 +415,7 @@ DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer) {
   const std::size_t budget = engine_->ring_capacity() / 3;
   std::size_t planned = 0;
   for (LayerId next : predictor_.predict(lookahead_layers_)) {
-    if (next == layer) continue;
+    if (next == layer || fresh_each_use_.count(next) != 0) continue;
     const std::optional<std::size_t> bytes = layer_bytes_locked(next, /*in_ring=*/true);
     if (!bytes) break;  // that layer is gone (freed model): the prediction is stale
     planned += *bytes;

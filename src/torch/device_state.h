@@ -96,6 +96,21 @@ struct StateStats {
   std::uint64_t pressure_yielded_bytes = 0;
 };
 
+// Marks, on this thread, a layer forward that the caller runs with grad enabled. torch turns grad mode
+// off inside an autograd function's forward, where the layer is fetched, so the state cannot ask torch
+// there whether this use belongs to a training step (the VRAM budget plans from those).
+class GradForwardScope {
+ public:
+  explicit GradForwardScope(bool grad_enabled);
+  ~GradForwardScope();
+  GradForwardScope(const GradForwardScope&) = delete;
+  GradForwardScope& operator=(const GradForwardScope&) = delete;
+  static bool active();
+
+ private:
+  bool previous_;
+};
+
 class DeviceState {
  public:
   static std::shared_ptr<DeviceState> create(const c10::Device& device, Mode mode);
@@ -125,7 +140,9 @@ class DeviceState {
   // Records that `layer` (of the current engine) is in use, and issues the copies of the layers the
   // access predictor expects next, up to a third of the ring, so that they arrive ahead of need.
   // LAYERSTREAM_PREFETCH=0 turns this off (copies then happen only when a layer is called).
-  void note_use(LayerId layer);
+  // `fresh_each_use`: the layer copies its bytes again at every use (a trainable weight, see
+  // StreamedLayer::with_region), so a copy made ahead of need would be dropped unused: none is made.
+  void note_use(LayerId layer, bool fresh_each_use = false);
   // Called once per layer registered in the engine: keeps it resident on the device while the
   // LAYERSTREAM_RESIDENT_MB budget lasts (first come, first kept: forward order), streams it otherwise.
   void consider_residency(TransferEngine& engine, LayerId layer, std::size_t bytes);
@@ -229,6 +246,7 @@ class DeviceState {
   std::atomic<std::size_t> pressure_threshold_{0};
   std::size_t headroom_permille_ = 50;  // the plan's headroom; doubles (up to a quarter) after each yield
   std::unordered_set<const void*> planned_resident_;
+  std::unordered_set<LayerId> fresh_each_use_;  // note_use(): layers never copied ahead of need
   // What a layer call leaves the caller to do outside mu_ (a Python log sink takes the GIL).
   struct UseOutcome {
     bool plan_now = false;            // plan the budget now
@@ -236,7 +254,7 @@ class DeviceState {
     std::string prefetch_error;       // what a failed copy ahead of need raised (logged once)
     std::string pressure_report;      // what a yield to memory pressure did (logged)
   };
-  UseOutcome observe_and_prefetch(LayerId layer);  // takes mu_
+  UseOutcome observe_and_prefetch(LayerId layer, bool fresh_each_use);  // takes mu_
   // After a yield to memory pressure: the budget plans again from the next training steps. Caller holds mu_.
   std::string replan_after_pressure_locked();
   // Starts the windowed peak (the simulator's own, or the resolver's starter on CUDA). Caller holds mu_.

@@ -473,7 +473,9 @@ void attach(const py::object& module, const py::object& manager, Which which) {
     if (plain) {
       core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,
                                                       conv ? conv_params_of(module) : ConvParams{});
-      core.layer->pack(weight.cast<at::Tensor>(), tensor_or_undefined(bias));
+      // A Parameter another managed layer already packed (tied weights): that layer's block keeps it.
+      const bool tied = py::hasattr(weight, "_is_memory_managed");
+      core.layer->pack(weight.cast<at::Tensor>(), tensor_or_undefined(bias), tied);
       core.path = state->mode() == Mode::kCpu ? "cpu" : "streamed";
     } else if (!empty && (!conv || conv_is_plain(module)) && is_plain(bias) && streams_quantized(weight)) {
       core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,

@@ -107,6 +107,7 @@ struct StreamedFn : public torch::autograd::Function<StreamedFn> {
     ctx->saved_data["x_col_major"] = layer->kind() == LayerKind::kLinear && linear_input_col_major(x);
     // Which path upstream's linear took: the fused addmm one for 2-D or contiguous inputs.
     ctx->saved_data["x_fused"] = x.dim() == 2 || x.is_contiguous();
+    ctx->saved_data["packing"] = static_cast<std::int64_t>(layer->packing());
     ctx->saved_data["layer"] = c10::IValue::make_capsule(std::move(layer));
     return out;
   }
@@ -118,7 +119,15 @@ struct StreamedFn : public torch::autograd::Function<StreamedFn> {
     const bool has_w = saved[1].defined(), has_b = saved[2].defined();
     const std::array<bool, 3> needs{ctx->needs_input_grad(0), has_w && ctx->needs_input_grad(1),
                                     has_b && ctx->needs_input_grad(has_w ? 2 : 1)};
-    auto result = layer_of(ctx)->compute_backward(
+    const c10::intrusive_ptr<StreamedLayer> layer = layer_of(ctx);
+    // Upstream's backward uses the weight its forward saved; this one reads the layer's packed copy, which
+    // a replaced Parameter (a new object, or new data) has changed since.
+    LS_CHECK_ARG(static_cast<std::int64_t>(layer->packing()) == ctx->saved_data["packing"].toInt(),
+                 "layerstream: a managed layer's weight or bias was replaced (a new Parameter, or its .data "
+                 "assigned) after a forward and before that forward's backward; its backward would compute with "
+                 "the new weight instead of the one the forward used. Run backward (or drop the graph) before "
+                 "replacing the weight");
+    auto result = layer->compute_backward(
         grads[0], saved[0], ctx->saved_data["x_sizes"].toIntVector(),
         ctx->saved_data["x_col_major"].toBool(), ctx->saved_data["x_fused"].toBool(), saved[1],
         saved[2], needs);
@@ -291,6 +300,7 @@ void StreamedLayer::install(std::shared_ptr<HostBlockRef> block, Packed w, Packe
   weight_ = std::move(w);
   bias_ = std::move(b);
   quant_ = std::move(q);
+  packing_.fetch_add(1, std::memory_order_relaxed);
   scratch_ = scratch_bytes_locked();  // once per packing, not per call
   // The first ring is sized for the largest layer, its scratch included.
   state_->note_attached(device_bytes(block_->block().bytes, scratch_));
@@ -310,6 +320,17 @@ Packed describe(const at::Tensor& t, std::vector<std::int64_t> strides, at::Scal
   return p;
 }
 
+// Inference tensors (made under torch.inference_mode) have no version counter, by which a managed layer
+// sees its weights modified in place; assigning .data outside inference_mode does not give them one.
+void check_not_inference(const at::Tensor& t, const char* what) {
+  LS_CHECK_ARG(!t.defined() || t.unsafeGetTensorImpl()->version_counter().enabled(),
+               "layerstream cannot manage a layer whose ", what,
+               " was created under torch.inference_mode() (an inference tensor has no version counter, so changes "
+               "to it could not be seen): create or load the model outside inference_mode (torch.no_grad() is "
+               "enough), or replace each such Parameter outside inference_mode before MemoryManager.attach: "
+               "setattr(module, name, torch.nn.Parameter(p.clone(), p.requires_grad))");
+}
+
 void remember_identity(Packed& p, const at::Tensor& t) {
   p.impl.emplace(t.getIntrusivePtr());
   p.storage.reset();
@@ -320,8 +341,10 @@ void remember_identity(Packed& p, const at::Tensor& t) {
 
 }  // namespace
 
-void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
+void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias, bool tied) {
   LS_CHECK_ARG(weight.defined(), "a managed layer needs a weight");
+  check_not_inference(weight, "weight");
+  check_not_inference(bias, "bias");
   const HostStorage host = host_storage_setting();
   const bool decoder = host.lossless && lossless_decoder_here();  // may log: before the lock
   std::lock_guard<std::mutex> lock(mu_);
@@ -391,13 +414,14 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
   // Swap the Parameters' data (identity kept), then remember what they must look like.
   if (compress) {
     if (!weight.is_cpu()) at::Tensor(weight).set_data(weight.detach().to(at::kCPU));
-  } else {
+  } else if (!tied) {
     at::Tensor(weight).set_data(views[0]);
   }
   if (b.defined) at::Tensor(bias).set_data(views.back());
   remember_identity(w, weight);
   if (b.defined) remember_identity(b, bias);
   install(std::move(block), std::move(w), std::move(b), std::move(q));
+  weight_tied_ = tied;
   // Whether a use with the weight frozen should pack it again: not for weights the setting does not take,
   // nor for one lossless packing would not shrink (each use would pack it again, for nothing).
   compress_frozen_ = float8_takes || (lossless_takes && (!frozen || to_lossless));
@@ -406,6 +430,7 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias) {
 std::array<at::Tensor, 2> StreamedLayer::pack_quantized(const at::Tensor& codes, const at::Tensor& scale,
                                                         at::ScalarType math, at::ScalarType result,
                                                         const at::Tensor& bias, bool frozen) {
+  check_not_inference(bias, "bias");
   LS_CHECK_ARG(codes.defined() && scale.defined() && quantized_layout_supported(codes, scale),
                "a quantized weight needs non-empty int8 or float8 codes with a float32/float16/bfloat16 scale, one "
                "per output row or one, not ", codes.scalar_type(), " codes of shape ", codes.sizes(), " with a ",
@@ -481,8 +506,8 @@ bool StreamedLayer::is_current(const at::Tensor& weight, const at::Tensor& bias)
   const bool w_same = weight._version() == weight_.version;
   const bool b_same = !bias_.defined || bias._version() == bias_.version;
   if (w_same && b_same) return true;
-  // Codes made from the weight's values must be made again.
-  if (!w_same && quant_) return false;
+  // Codes made from the weight's values, or a tied weight's copy in this block, must be made again.
+  if (!w_same && (quant_ || weight_tied_)) return false;
   // Modified in place (an optimizer step on a trainable layer): the arena holds the new bytes already;
   // the device copy is stale.
   if (TransferEngine* engine = engine_if_registered()) engine->begin_host_write(id_);
@@ -499,8 +524,10 @@ void StreamedLayer::refresh(const at::Tensor& weight, const at::Tensor& bias) {
   // A shared (read-only) block whose weight or bias became trainable gets a copy of this rank's own
   // before its optimizer writes to it.
   const bool shared = block_ && block_->segment() != nullptr;
-  const bool unshare_now = shared && (weight.requires_grad() || (bias.defined() && bias.requires_grad()));
-  if (compress_now || expand_now || unshare_now || !is_current(weight, bias)) pack(weight, bias);
+  const bool trainable = weight.requires_grad() || (bias.defined() && bias.requires_grad());
+  fresh_each_use_.store(trainable, std::memory_order_relaxed);
+  const bool unshare_now = shared && trainable;
+  if (compress_now || expand_now || unshare_now || !is_current(weight, bias)) pack(weight, bias, weight_tied_);
 }
 
 namespace {
@@ -748,13 +775,17 @@ template <typename Fn>
 auto StreamedLayer::with_region(Fn&& fn) {
   TransferEngine& engine = registered_engine();
   const StreamHandle consumer = state_->consumer_stream();
+  const bool fresh = fresh_each_use_.load(std::memory_order_relaxed);
+  // A trainable weight may have been written through .data since its device copy was made (see
+  // fresh_each_use_): drop that copy (resident or in the ring), so that the fetch copies the host bytes.
+  if (fresh) engine.begin_host_write(id_);
   const Lease lease = engine.fetch(id_);
   const bool on_host = state_->mode() == Mode::kSim;
   const at::Device where = on_host ? at::Device(at::kCPU) : state_->device();
   // A view of one packed tensor in the fetched region.
   auto view = [&](const Packed& p) { return view_of(static_cast<char*>(lease.data), p, where); };
   try {  // from here on, every exit releases the lease
-    state_->note_use(id_);  // after the fetch holds this layer, so prefetches cannot displace it
+    state_->note_use(id_, fresh);  // after the fetch holds this layer, so prefetches cannot displace it
     if (on_host) {
       engine.wait_ready_host(lease);
       state_->backend().annotate_host_access(lease.data, lease.bytes, false);
@@ -805,6 +836,7 @@ at::Tensor StreamedLayer::forward(const at::Tensor& x, const at::Tensor& weight,
 }
 
 at::Tensor StreamedLayer::forward_frozen(const at::Tensor& x, const at::Tensor& bias) {
+  fresh_each_use_.store(bias.defined() && bias.requires_grad(), std::memory_order_relaxed);
   return run(x, at::Tensor(), bias);
 }
 
@@ -822,6 +854,7 @@ at::Tensor StreamedLayer::run(const at::Tensor& x, const at::Tensor& weight, con
   const bool graph = at::GradMode::is_enabled() && (x.requires_grad() || (weight.defined() && weight.requires_grad()) ||
                                                     (bias.defined() && bias.requires_grad()));
   if (!graph) return compute_forward(x);
+  const GradForwardScope training(true);  // StreamedFn's forward runs with grad mode off
   const auto optional = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
   return StreamedFn::apply(x, optional(weight), optional(bias), c10::intrusive_ptr<StreamedLayer>::reclaim_copy(this));
 }
@@ -996,6 +1029,19 @@ std::array<at::Tensor, 3> StreamedLayer::compute_backward(const at::Tensor& grad
   if (!need_x && !need_w && !need_b) return {};
   const auto dtype = grad_out.scalar_type();
   at::Tensor gx, gw, gb;
+  // create_graph (a gradient penalty): torch runs backward with grad mode on and differentiates the
+  // formulas below, whose saved tensors must outlive this call: the weight is then the Parameter itself
+  // where it takes a gradient (on the device: a differentiable copy), else a copy out of the ring (other
+  // layers reuse the ring's memory); gradients go back differentiably instead of through the D2H staging.
+  const bool higher_order = at::GradMode::is_enabled();
+  const auto weight_for_formula = [&](const at::Tensor& ring_weight) {
+    if (!higher_order) return ring_weight;
+    if (weight.defined() && weight.requires_grad()) return weight.to(ring_weight.device());
+    return ring_weight.clone();
+  };
+  const auto gradient_out = [&](const at::Tensor& g, const at::Tensor& param, bool is_bias) {
+    return higher_order ? as_dtype(g, param.scalar_type()).to(param.device()) : grad_to_host(g, param, is_bias);
+  };
 
   if (kind_ == LayerKind::kLinear) {
     // The formulas of upstream autograd for linear (addmm / matmul + add), so that results are
@@ -1004,14 +1050,14 @@ std::array<at::Tensor, 3> StreamedLayer::compute_backward(const at::Tensor& grad
     const at::Tensor g2 = grad_out.reshape({-1, out_features});
     if (need_x) {
       gx = with_device_weights([&](const at::Tensor& w, const at::Tensor&) {
-        const at::Tensor wc = as_dtype(w, dtype);
+        const at::Tensor wc = as_dtype(weight_for_formula(w), dtype);
         at::Tensor g = x_col_major ? wc.t().mm(g2.t()).t() : g2.mm(wc);
         return g.reshape(x_sizes);
       });
     }
     if (need_w) {
       const at::Tensor x2 = x.reshape({-1, x.size(-1)});
-      gw = grad_to_host(g2.t().mm(as_dtype(x2, dtype)), weight, false);
+      gw = gradient_out(g2.t().mm(as_dtype(x2, dtype)), weight, false);
     }
     if (need_b) {
       // Contiguous (or 2-D) inputs take linear's fused addmm path: the bias gradient is a sum over the
@@ -1024,20 +1070,25 @@ std::array<at::Tensor, 3> StreamedLayer::compute_backward(const at::Tensor& grad
         for (std::size_t i = 0; i < dims.size(); ++i) dims[i] = static_cast<std::int64_t>(i);
         g = grad_out.sum(dims, /*keepdim=*/true).view({out_features});
       }
-      gb = grad_to_host(g, bias, true);
+      gb = gradient_out(g, bias, true);
     }
   } else {
-    // convolution_backward is exactly what autograd runs for conv2d.
+    // convolution_backward is exactly what autograd runs for conv2d. An unbatched input (C, H, W) ran as
+    // a batch of one (conv2d adds the batch dimension, and removes it from the output).
+    const bool unbatched = x_sizes.size() == 3;
+    const at::Tensor g4 = unbatched ? grad_out.unsqueeze(0) : grad_out;
+    const at::Tensor x4 = unbatched ? x.unsqueeze(0) : x;
     auto grads = with_device_weights([&](const at::Tensor& w, const at::Tensor&) {
       const at::OptionalIntArrayRef bias_sizes =
           bias_.defined ? at::OptionalIntArrayRef(bias_.sizes) : at::OptionalIntArrayRef(c10::nullopt);
-      return at::convolution_backward(grad_out, as_dtype(x, dtype), as_dtype(w, dtype), bias_sizes,
+      return at::convolution_backward(g4, as_dtype(x4, dtype), as_dtype(weight_for_formula(w), dtype), bias_sizes,
                                       conv_.stride, conv_.padding, conv_.dilation, false, {0, 0},
                                       conv_.groups, {need_x, need_w, need_b});
     });
     gx = std::get<0>(grads);
-    if (need_w) gw = grad_to_host(std::get<1>(grads), weight, false);
-    if (need_b) gb = grad_to_host(std::get<2>(grads), bias, true);
+    if (gx.defined() && unbatched) gx = gx.squeeze(0);
+    if (need_w) gw = gradient_out(std::get<1>(grads), weight, false);
+    if (need_b) gb = gradient_out(std::get<2>(grads), bias, true);
   }
   if (gx.defined() && x.defined() && gx.scalar_type() != x.scalar_type() && at::isFloatingType(x.scalar_type())) {
     gx = gx.to(x.scalar_type());

@@ -14,6 +14,7 @@
 #include <ATen/core/custom_class.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -97,7 +98,10 @@ class StreamedLayer : public torch::CustomClassHolder {
 
   // Moves `weight` (and `bias`, which may be undefined) into one arena block and makes the Parameters
   // views of it (Parameter identity is kept, so optimizers and references stay valid).
-  void pack(const at::Tensor& weight, const at::Tensor& bias);
+  // `tied`: the weight Parameter is already a view of another managed layer's block (one Parameter in two
+  // layers): this block holds a copy of its bytes for the transfers, and its data stays where it is (two
+  // layers swapping it back and forth packed it again at every call).
+  void pack(const at::Tensor& weight, const at::Tensor& bias, bool tied = false);
   // Called at every use: re-packs when the Parameters were replaced or their data swapped, and drops
   // the device copy when they were modified in place.
   void refresh(const at::Tensor& weight, const at::Tensor& bias);
@@ -144,6 +148,9 @@ class StreamedLayer : public torch::CustomClassHolder {
                                              std::array<bool, 3> needs);
 
   bool quantized() const { return quant_.has_value(); }
+  // Counts the packings (install()): a forward's graph remembers it, and its backward refuses to run
+  // after the weights were packed again (replaced), when it would read the new ones.
+  std::uint64_t packing() const { return packing_.load(std::memory_order_relaxed); }
   LayerKind kind() const { return kind_; }
   const std::shared_ptr<DeviceState>& state() const { return state_; }
   std::size_t packed_bytes() const;
@@ -205,6 +212,12 @@ class StreamedLayer : public torch::CustomClassHolder {
   std::vector<Packed> tensors_;  // pack_tensors(): the layer's own tensors, in order
   std::size_t scratch_ = 0;      // scratch_bytes_locked() of the current block
   bool compress_frozen_ = false;  // LAYERSTREAM_HOST_DTYPE takes this weight (packed again once frozen)
+  bool weight_tied_ = false;      // pack(tied): the Parameter's data lies in another layer's block
+  std::atomic<std::uint64_t> packing_{0};
+  // A trainable weight or bias (set at each forward): its device copy is made again at every use. An
+  // optimizer's step bumps the Parameter's version, but a write through .data (AI-Toolkit's EMA swap,
+  // copy_to/restore) does not, and nothing else tells a reused copy from a stale one.
+  std::atomic<bool> fresh_each_use_{false};
   std::uint64_t generation_ = 0;  // engine generation the layer is registered in
   LayerId id_ = 0;
   // dequantize_in_scratch(): the copy (Lease::fill) whose codes the scratch holds dequantized, and the
