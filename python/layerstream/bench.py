@@ -15,7 +15,7 @@ Modes (``--mode``):
 
 Each mode reports s/step, peak VRAM, peak host RSS, pinned host bytes, bytes over the bus per step, the
 first losses (the same weights, inputs and LoRA init in every mode, so they should agree) and the ratio to
-the floor max(T_compute, bytes_per_step / pinned H2D bandwidth) of docs/design.md.
+the floor max(T_compute, bytes_per_step / pinned H2D bandwidth) (docs/benchmarks.md).
 
 Examples (`layerstream bench` and `python benchmarks/flux_bench.py` are the same entry point):
   layerstream bench --preset flux1 --mode all --aitk-dir /path/to/ai-toolkit --md-out bench.md
