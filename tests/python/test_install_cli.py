@@ -5,17 +5,22 @@ package is used instead."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import aitk_dirs
+from layerstream import cli
 
 STANDIN = {
     "toolkit/__init__.py": "",
@@ -86,9 +91,21 @@ def _tree_digest(root: Path) -> dict[str, str]:
     }
 
 
-def _cli(*args, env=None):
+def _cli(*args):
+    """`layerstream ARGS` in this process (a subprocess would import torch again for each call): its exit
+    status, stdout and stderr. An exception the CLI does not turn into a message fails the test here."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main([str(a) for a in args])
+        except SystemExit as exc:  # argparse: --help, --version and usage errors
+            code = exc.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def _cli_process(*args, **kwargs):
     return subprocess.run([sys.executable, "-m", "layerstream", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})})
+                          **kwargs)
 
 
 def _run_probe(root: Path, **env):
@@ -299,7 +316,7 @@ def test_install_inside_another_git_repository_installs_and_loads(tmp_path):
 def _cli_without_write_access(*args):
     """The CLI as a user who cannot write the checkout (root writes anywhere: run it as nobody)."""
     if os.geteuid() != 0:
-        return _cli(*args)
+        return _cli_process(*args)
     if shutil.which("setpriv") is None:
         pytest.skip("running as root without setpriv: cannot take write access away")
     path = os.pathsep.join(p for p in sys.path if p)
@@ -309,15 +326,10 @@ def _cli_without_write_access(*args):
 
 
 def _readable_by_everyone(root: Path) -> None:
+    """nobody must read the checkout (pytest's temporary folders are private to their owner)."""
     for p in [*root.parents, root, *root.rglob("*")]:
-        if str(p).startswith(tempfile_root()):
+        if str(p).startswith(tempfile.gettempdir() + os.sep):
             p.chmod(p.stat().st_mode | 0o555)
-
-
-def tempfile_root() -> str:
-    import tempfile
-
-    return tempfile.gettempdir()
 
 
 def test_read_only_checkout_gets_a_message_not_a_traceback(tmp_path):
@@ -367,11 +379,11 @@ def test_install_undoes_itself_when_the_hook_does_not_load(tmp_path):
     assert _tree_digest(root) == before
 
 
-@pytest.mark.parametrize("value", ["0", "off", "false", "OFF", "no"])
-def test_layerstream_off_values_run_stock(tmp_path, value):
+def test_layerstream_off_values_run_stock(tmp_path):
     root = _make_checkout(tmp_path / "ai-toolkit", None, git=False)
     assert _cli("install", root, "--force").returncode == 0
-    assert _probe(root, LAYERSTREAM=value) == "stock"
+    for value in ("off", "False", "no"):  # "0": test_install_then_uninstall_restores_the_tree
+        assert _probe(root, LAYERSTREAM=value) == "stock", value
     assert _probe(root, LAYERSTREAM="on") == "layerstream"
     result = _run_probe(root, LAYERSTREAM="maybe")
     assert result.returncode != 0 and "LAYERSTREAM='maybe' is not understood" in result.stderr
@@ -384,7 +396,9 @@ def test_windows_extension_in_use_says_close_ai_toolkit(tmp_path, monkeypatch):
     root = _make_checkout(tmp_path / "ai-toolkit", None, git=False)
     pyd = root / "toolkit/memory_management/manager_modules.cp311-win_amd64.pyd"
     pyd.write_bytes(b"MZ extension")
-    install.Manifest("copy", {pyd.relative_to(root).as_posix(): hashlib.sha256(b"MZ extension").hexdigest()}).save(root)
+    manifest = {"layerstream": 1, "mode": "copy", "created_dirs": [],
+                "files": {pyd.relative_to(root).as_posix(): hashlib.sha256(b"MZ extension").hexdigest()}}
+    (root / "toolkit/memory_management/layerstream-install.json").write_text(json.dumps(manifest))
     real_unlink = Path.unlink
 
     def unlink(self, missing_ok=False):
@@ -414,7 +428,7 @@ def test_every_subcommand_answers_help(command):
 def test_version_and_bare_command():
     from importlib.metadata import version
 
-    result = _cli("--version")
+    result = _cli_process("--version")  # the installed entry point, once
     assert result.returncode == 0 and result.stdout.strip() == f"layerstream {version('layerstream')}"
     bare = _cli()
     assert bare.returncode == 2 and "Traceback" not in bare.stderr and "required: command" in bare.stderr
@@ -486,3 +500,12 @@ def test_status_and_a_tested_manager(tmp_path, source):
     assert f"AI-Toolkit    {Path(source).name}" in out
     assert "mode          patch" in out and "loads         yes" in out
     assert "LAYERSTREAM_VRAM_BUDGET=auto  (.env)" in out
+
+
+def test_the_patch_adds_the_file_install_writes(tmp_path):
+    """patches/ai-toolkit.patch (for `git apply` by hand) and `layerstream install` give the same hook."""
+    from layerstream import install
+
+    root = _make_checkout(tmp_path / "ai-toolkit", None)
+    _git(root, "apply", str(Path(__file__).resolve().parents[2] / "patches" / "ai-toolkit.patch"))
+    assert (root / HOOK).read_text() == install.hook_text()
