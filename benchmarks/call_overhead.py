@@ -2,7 +2,7 @@
 """Per-call host overhead of a managed layer: many small Linear layers called in a loop, so that the time
 is the host's (Python, checks, stream and event calls), not the GPU's. Reports microseconds per call for a
 plain resident layer, AI-Toolkit's stock manager (with --aitk-dir or AI_TOOLKIT_DIR) and layerstream.
-The target (docs/design.md) is at most 30 us per call for layerstream.
+The target is at most 30 us per call for layerstream.
 
   python benchmarks/call_overhead.py [--layers 200] [--calls 20] [--aitk-dir PATH]
 """

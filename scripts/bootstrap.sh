@@ -5,6 +5,11 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+if [[ -n "${VIRTUAL_ENV:-}" && -f "$VIRTUAL_ENV/../toolkit/memory_management/manager.py" ]]; then
+  echo "The active venv ($VIRTUAL_ENV) is AI-Toolkit's: these scripts would re-pin its packages to" \
+       "requirements-dev.txt. Run 'deactivate' first; to install into AI-Toolkit, see README 'Use it in AI-Toolkit'." >&2
+  exit 2
+fi
 if [[ -z "${VIRTUAL_ENV:-}" ]]; then
   if [[ ! -x .venv/bin/python ]]; then
     python3 -m venv .venv

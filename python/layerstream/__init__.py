@@ -6,7 +6,19 @@ adds the command line (``layerstream``), logging glue and the demo. See docs/arc
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("layerstream")  # pyproject.toml is the one source
+except PackageNotFoundError:  # pragma: no cover - imported from a source tree that was never installed
+    __version__ = "0+unknown"
+
+try:
+    # torch first: on Windows, importing it puts its DLL folder on the search path that the extensions
+    # (manager_modules links libtorch) need; there is no RPATH there.
+    import torch  # noqa: F401
+except ImportError:  # the torch-free core and its demo still work
+    pass
 
 try:
     from . import _native  # noqa: F401  (re-exported for users and tests)

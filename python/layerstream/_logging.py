@@ -1,14 +1,63 @@
-"""Routes the native core's log messages into Python's ``logging`` (logger ``layerstream``)."""
+"""Routes the native core's log messages into Python's ``logging`` (logger ``layerstream``), and makes them
+visible in applications that configure no logging (AI-Toolkit): ``LAYERSTREAM_LOG=info`` (default) or
+``warning`` prints them on stderr while no handler of the application would; ``off`` adds nothing."""
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 logger = logging.getLogger("layerstream")
+LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "off": None}
 
 
 def _sink(level: int, message: str) -> None:
     logger.log(level, message)
+
+
+class FallbackHandler(logging.StreamHandler):
+    """Writes to stderr only while no other handler above the ``layerstream`` logger would take the record,
+    so an application that configures logging later (``logging.basicConfig``) sees each line once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("layerstream %(levelname)s: %(message)s"))
+
+    @property
+    def stream(self):  # the current sys.stderr, which test runners and AI-Toolkit's UI may replace
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+    def emit(self, record: logging.LogRecord) -> None:
+        node = logger.parent if logger.propagate else None
+        while node is not None:
+            if node.handlers:
+                return
+            node = node.parent if node.propagate else None
+        super().emit(record)
+
+
+def log_level_setting() -> int | None:
+    value = os.environ.get("LAYERSTREAM_LOG", "info").strip().lower()
+    if value not in LEVELS:
+        raise ValueError(f"LAYERSTREAM_LOG={value!r} is not understood: use info, warning or off "
+                         "(e.g. LAYERSTREAM_LOG=warning)")
+    return LEVELS[value]
+
+
+def install_fallback_handler() -> None:
+    level = log_level_setting()
+    if level is None or any(isinstance(h, FallbackHandler) for h in logger.handlers):
+        return
+    if logger.level == logging.NOTSET:  # the application's own level for the logger wins
+        logger.setLevel(level)
+    handler = FallbackHandler()
+    handler.setLevel(level)
+    logger.addHandler(handler)
 
 
 def install_log_bridge() -> None:
@@ -16,3 +65,4 @@ def install_log_bridge() -> None:
     from . import _native
 
     _native.set_log_sink(_sink)
+    install_fallback_handler()

@@ -8,11 +8,39 @@ checkout's own Python file. Each engine gets its own package name, so both can l
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import logging
 import os
 import sys
 from pathlib import Path
 from types import ModuleType
+
+# sha256 of toolkit/memory_management/manager.py in the AI-Toolkit versions layerstream is tested with.
+KNOWN_VERSIONS = {
+    "d7e3ed5cc2a4e0630bb66f0ab3d75d8068a56abf65b18b203a72055d7731e75e": "27a03a91 (2026-08)",
+    "93a8eafa942f7e47c31b02e88b91ec310fdafd4333ca737a74b1fda3e55c2839": "323b4aaf (2025-11)",
+}
+
+
+def manager_version(mm_dir: str | os.PathLike) -> str | None:
+    """The KNOWN_VERSIONS name of the checkout's manager.py, or None when it is another one."""
+    try:
+        data = (Path(mm_dir) / "manager.py").read_bytes()
+    except OSError:
+        return None
+    return KNOWN_VERSIONS.get(hashlib.sha256(data).hexdigest())
+
+
+def hook_loaded(mm_dir: str | os.PathLike) -> None:
+    """Called by the installed hook once layerstream's module loaded: one warning when the checkout's
+    manager.py is not a version layerstream was tested with (it may call the module differently)."""
+    if manager_version(mm_dir) is None:
+        logging.getLogger("layerstream").warning(
+            "%s differs from the AI-Toolkit versions layerstream was tested with (%s): it may call "
+            "manager_modules in ways layerstream does not handle. Set LAYERSTREAM=0 to run stock if training "
+            "misbehaves, and report the AI-Toolkit commit", Path(mm_dir) / "manager.py",
+            ", ".join(KNOWN_VERSIONS.values()))
 
 
 def aitk_dir_from_env() -> Path | None:

@@ -15,7 +15,7 @@ Modes (``--mode``):
 
 Each mode reports s/step, peak VRAM, peak host RSS, pinned host bytes, bytes over the bus per step, the
 first losses (the same weights, inputs and LoRA init in every mode, so they should agree) and the ratio to
-the floor max(T_compute, bytes_per_step / pinned H2D bandwidth) of docs/design.md.
+the floor max(T_compute, bytes_per_step / pinned H2D bandwidth) (docs/benchmarks.md).
 
 Examples (`layerstream bench` and `python benchmarks/flux_bench.py` are the same entry point):
   layerstream bench --preset flux1 --mode all --aitk-dir /path/to/ai-toolkit --md-out bench.md
@@ -46,8 +46,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+try:
+    from tqdm import tqdm
+except ImportError:  # progress bars only
+    tqdm = None
+
 GiB = 1 << 30
 MODES = ("resident", "stock", "layerstream")
+CPU_LIMIT_BYTES = 2 * GiB  # larger presets refuse to run without a GPU unless --force
 DTYPE = torch.bfloat16
 
 
@@ -235,7 +241,10 @@ def _init_parallel(jobs, seed: int) -> None:
             job(torch.Generator().manual_seed(seed + index))
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        list(pool.map(run, enumerate(jobs)))
+        done = pool.map(run, enumerate(jobs))
+        if tqdm is not None:
+            done = tqdm(done, total=len(jobs), desc="initialising weights", unit="tensor", file=sys.stderr)
+        list(done)
 
 
 def build_model(cfg: FluxConfig, checkpointing: bool, seed: int) -> FluxShapedTransformer:
@@ -692,6 +701,7 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
     if package is None:
         model.to(device)
     else:
+        print(f"[{mode}] attaching AI-Toolkit's MemoryManager to the model ...", flush=True)
         random.seed(args.seed)  # AI-Toolkit picks the layers left resident with random.random()
         package.MemoryManager.attach(model, device, offload_percent=args.offload_percent)
         model.to(device)  # the patched .to moves only the unmanaged modules
@@ -1055,6 +1065,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "--user-alloc-steps steps (memory pressure)")
     parser.add_argument("--user-alloc-at", type=int, default=4)
     parser.add_argument("--user-alloc-steps", type=int, default=2)
+    parser.add_argument("--force", action="store_true",
+                        help=f"run a preset of more than {CPU_LIMIT_BYTES // GiB} GiB of weights without a GPU "
+                             "(hours of CPU time and as much host RAM per mode)")
     parser.add_argument("--json-out", help="write the results as JSON")
     parser.add_argument("--md-out", help="write the table as markdown, with the command, date, GPU and torch")
     # Set by `--mode all` for its children: the parent measures the bandwidth and the floor once for all.
@@ -1069,11 +1082,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def preset_weight_bytes(preset: str) -> int:
+    with torch.device("meta"):
+        return sum(p.nbytes for p in FluxShapedTransformer(PRESETS[preset], False).to(DTYPE).parameters())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    reference = None if args.child else reference_row(args.reference_json)  # before the runs: fail fast
     cuda = torch.cuda.is_available()
+    weight_bytes = preset_weight_bytes(args.preset)
+    if not cuda and not args.force and weight_bytes > CPU_LIMIT_BYTES:
+        print(f"layerstream bench: error: no GPU here, and --preset {args.preset} builds {weight_bytes / GiB:.1f} GiB "
+              f"of weights on the CPU (hours per mode). Use --preset small or flux2-small, or pass --force",
+              file=sys.stderr)
+        return 2
+    reference = None if args.child else reference_row(args.reference_json)  # before the runs: fail fast
     if len(args.modes) > 1:
         rows = run_all(argv, args.modes)
     else:

@@ -1,4 +1,5 @@
-"""The ``layerstream`` command line."""
+"""The ``layerstream`` command line: one argparse subparser per command; every failure is one line on stderr
+(with what to do) and exit status 2, never a traceback."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import sys
 
 
-def _info(_: list[str]) -> int:
+def _info(_: argparse.Namespace) -> int:
     import layerstream
     from layerstream import _native
 
@@ -17,82 +18,97 @@ def _info(_: list[str]) -> int:
     return 0
 
 
-def _demo(rest: list[str]) -> int:
-    from layerstream import demo
-
-    return demo.run(rest)
-
-
-def _install(rest: list[str]) -> int:
+def _install(args: argparse.Namespace) -> int:
     from layerstream import install
 
-    parser = argparse.ArgumentParser(prog="layerstream install",
-                                     description="Make an AI-Toolkit checkout run on layerstream.")
-    parser.add_argument("path", help="the AI-Toolkit checkout (the folder that contains toolkit/)")
-    parser.add_argument("--mode", choices=["patch", "copy"], default="patch",
-                        help="patch: add a small loader package (default); copy: copy the extension in")
-    parser.add_argument("--force", action="store_true", help="install into an unknown or modified checkout")
-    args = parser.parse_args(rest)
-    try:
-        print(install.install(args.path, args.mode, args.force))
-    except install.InstallError as exc:
-        print(f"layerstream install: error: {exc}", file=sys.stderr)
-        return 2
+    print(install.install(args.path, args.mode, args.force))
     return 0
 
 
-def _uninstall(rest: list[str]) -> int:
+def _uninstall(args: argparse.Namespace) -> int:
     from layerstream import install
 
-    parser = argparse.ArgumentParser(prog="layerstream uninstall",
-                                     description="Restore an AI-Toolkit checkout to its stock manager_modules.")
-    parser.add_argument("path", help="the AI-Toolkit checkout")
-    args = parser.parse_args(rest)
-    try:
-        print(install.uninstall(args.path))
-    except install.InstallError as exc:
-        print(f"layerstream uninstall: error: {exc}", file=sys.stderr)
-        return 2
+    print(install.uninstall(args.path))
     return 0
 
 
-def _doctor(rest: list[str]) -> int:
+def _status(args: argparse.Namespace) -> int:
+    from layerstream import status
+
+    print(status.report(args.path))
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
     from layerstream import doctor
 
-    return doctor.run(rest)
+    return doctor.run(aitk=args.aitk, weights_gb=args.weights_gb)
 
 
-def _bench(rest: list[str]) -> int:
+def _demo(args: argparse.Namespace) -> int:
+    from layerstream import demo
+
+    return demo.run(args.rest)
+
+
+def _bench(args: argparse.Namespace) -> int:
     from layerstream import bench
 
-    return bench.main(rest)
+    return bench.main(args.rest)
 
 
-COMMANDS = {
-    "demo": (_demo, "stream a toy model through the engine and verify every byte"),
-    "info": (_info, "print the build and the devices it sees"),
-    "install": (_install, "make an AI-Toolkit checkout run on layerstream (patch or copy mode)"),
-    "uninstall": (_uninstall, "restore an AI-Toolkit checkout to stock"),
-    "doctor": (_doctor, "check GPU, driver, torch, the extension, pinning and bandwidth"),
-    "bench": (_bench, "side-by-side training benchmark: resident, stock AI-Toolkit, layerstream"),
-}
+def build_parser() -> argparse.ArgumentParser:
+    from layerstream import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="layerstream", description="layerstream: weight streaming for training on GPUs smaller than the model.")
+    parser.add_argument("--version", action="version", version=f"layerstream {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="command", required=True)
+
+    def command(name: str, handler, help_: str, **kwargs) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_, description=help_, **kwargs)
+        sub.set_defaults(handler=handler)
+        return sub
+
+    # demo and bench parse their own options (bench re-runs itself with them); --help reaches them too.
+    command("demo", _demo, "stream a toy model through the engine and verify every byte", add_help=False)
+    command("bench", _bench, "side-by-side training benchmark: resident, stock AI-Toolkit, layerstream",
+            add_help=False)
+    command("info", _info, "print the build and the devices it sees")
+    sub = command("install", _install, "make an AI-Toolkit checkout run on layerstream (patch or copy mode)")
+    sub.add_argument("path", help="the AI-Toolkit checkout (the folder that contains toolkit/)")
+    sub.add_argument("--mode", choices=["patch", "copy"], default="patch",
+                     help="patch: add a small loader package (default, recommended); copy: copy the extension in")
+    sub.add_argument("--force", action="store_true", help="install into an unknown or modified checkout")
+    sub = command("uninstall", _uninstall, "remove what `layerstream install` wrote (only files it wrote, "
+                  "only while unchanged)")
+    sub.add_argument("path", help="the AI-Toolkit checkout")
+    sub = command("status", _status, "show whether an AI-Toolkit checkout runs on layerstream, and its settings")
+    sub.add_argument("path", help="the AI-Toolkit checkout")
+    sub = command("doctor", _doctor, "check GPU, driver, torch, the extension, host RAM, pinning and bandwidth")
+    sub.add_argument("--aitk", action="store_true",
+                     help="check for training in AI-Toolkit: a CPU-only torch or no GPU is a failure")
+    sub.add_argument("--weights-gb", type=float,
+                     help="the managed weights' size in GiB (e.g. 22 for FLUX.1, 60 for FLUX.2 in bf16), "
+                          "checked against host RAM")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(
-        prog="layerstream",
-        description="layerstream: weight streaming for training on GPUs smaller than the model.",
-        epilog="\n".join(f"  {name:8s} {help_}" for name, (_, help_) in COMMANDS.items()),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("command", choices=sorted(COMMANDS), metavar="command")
-    parser.add_argument("args", nargs=argparse.REMAINDER)
-    ns = parser.parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command in ("demo", "bench"):
+        args.rest = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    from layerstream.install import InstallError
+
     try:
-        return COMMANDS[ns.command][0](ns.args)
-    except (RuntimeError, ValueError) as exc:
-        print(f"layerstream {ns.command}: error: {exc}", file=sys.stderr)
+        return args.handler(args)
+    except (InstallError, RuntimeError, ValueError, OSError) as exc:
+        message = str(exc).strip() or type(exc).__name__
+        print(f"layerstream {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

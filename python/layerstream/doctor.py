@@ -1,11 +1,14 @@
 """`layerstream doctor`: what this machine offers layerstream, one line and one verdict per fact.
 
-Verdicts: OK, WARN (works, but slower or limited), FAIL (layerstream cannot run as configured).
-Exit status 1 when any line FAILs.
+Verdicts: OK, WARN (works, but slower or limited), SKIP (not checked here, with the reason), FAIL
+(layerstream cannot run as configured). Exit status 1 when any line FAILs. With ``aitk=True`` (``--aitk``)
+the questions are those of training in AI-Toolkit: a CPU-only torch or no visible GPU is a FAIL.
 """
 
 from __future__ import annotations
 
+import os
+import platform
 import shutil
 import subprocess
 import time
@@ -57,10 +60,67 @@ def _shm() -> Line:
                                      "docker: --shm-size)")
 
 
-def _gpu_lines(torch) -> list[Line]:
+def _torch_line(torch, aitk: bool) -> Line:
+    if torch.version.cuda:
+        return Line("OK", "torch", f"{torch.__version__}, CUDA {torch.version.cuda}")
+    detail = (f"{torch.__version__} is a CPU-only build: AI-Toolkit trains on the GPU only with a CUDA build of "
+              "torch (install the one AI-Toolkit's README names, then rebuild layerstream)")
+    return Line("FAIL" if aitk else "WARN", "torch", detail)
+
+
+def host_ram() -> tuple[int, int] | None:
+    """(total, available) bytes of host RAM, or None where this platform does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()}
+        return info["MemTotal"], info.get("MemAvailable", info["MemTotal"])
+    except (OSError, KeyError, ValueError, IndexError):
+        pass
+    if os.name == "nt":
+        import ctypes
+
+        class MemoryStatus(ctypes.Structure):
+            _fields_ = [("length", ctypes.c_ulong), ("load", ctypes.c_ulong), ("total", ctypes.c_ulonglong),
+                        ("avail", ctypes.c_ulonglong), ("pad", ctypes.c_ulonglong * 5)]
+
+        status = MemoryStatus(length=ctypes.sizeof(MemoryStatus))
+        if ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(status)):
+            return status.total, status.avail
+    return None
+
+
+def _host_ram_line(weights_gb: float | None) -> Line:
+    ram = host_ram()
+    if ram is None:
+        return Line("SKIP", "host RAM", "skipped: this platform does not report it")
+    total, available = ram
+    detail = f"{total / GiB:.1f} GiB, {available / GiB:.1f} GiB available"
+    if weights_gb is None:
+        return Line("OK", "host RAM", detail + " (layerstream keeps one copy of the managed weights there: "
+                                               "--weights-gb N checks a model of N GiB)")
+    # The weights once, pinned (1.00x in docs/benchmarks.md), plus what the trainer itself holds.
+    need = weights_gb * GiB * 1.1
+    verdict = "OK" if available >= need else ("WARN" if total >= need else "FAIL")
+    return Line(verdict, "host RAM", f"{detail}; {weights_gb:g} GiB of managed weights need about "
+                                     f"{need / GiB:.0f} GiB (the weights plus 10%)")
+
+
+def _windows_line() -> Line | None:
+    wsl = "microsoft" in platform.release().lower()
+    if os.name != "nt" and not wsl:
+        return None
+    where = "WSL2" if wsl else "Windows"
+    return Line("WARN", where, "the driver may spill VRAM into shared system memory (NVIDIA control panel: "
+                               "CUDA - Sysmem Fallback Policy: Prefer No Sysmem Fallback) and pinned host memory "
+                               "is limited under WSL2 (NVIDIA's CUDA on WSL notes); both show as slowness, not as errors")
+
+
+def _gpu_lines(torch, aitk: bool) -> list[Line]:
     lines = []
     if not torch.cuda.is_available():
-        return [Line("WARN", "GPU", "no CUDA device visible to torch: layers run on the CPU, as upstream")]
+        if aitk:
+            return [Line("FAIL", "GPU", "no CUDA device visible to torch: AI-Toolkit's training needs one")]
+        return [Line("SKIP", "GPU", "skipped: no GPU (torch sees no CUDA device); the GPU checks did not run")]
     props = torch.cuda.get_device_properties(0)
     lines.append(Line("OK", "GPU", f"{props.name}, {props.total_memory / GiB:.1f} GiB, compute {props.major}.{props.minor}"))
     if shutil.which("nvidia-smi"):
@@ -90,10 +150,9 @@ def _gpu_lines(torch) -> list[Line]:
     return lines
 
 
-def run(argv: list[str] | None = None) -> int:
-    if argv:
-        print(f"layerstream doctor takes no arguments (got {' '.join(argv)})")
-        return 2
+def run(aitk: bool = False, weights_gb: float | None = None) -> int:
+    if weights_gb is not None and not weights_gb > 0:
+        raise ValueError(f"--weights-gb must be a positive number of GiB (e.g. --weights-gb 22), not {weights_gb}")
     lines: list[Line] = []
     try:
         import torch
@@ -101,10 +160,13 @@ def run(argv: list[str] | None = None) -> int:
         lines.append(Line("FAIL", "torch", f"not importable: {exc}"))
         torch = None
     if torch is not None:
-        cuda = torch.version.cuda or "none (CPU build)"
-        lines.append(Line("OK", "torch", f"{torch.__version__}, CUDA {cuda}"))
+        lines.append(_torch_line(torch, aitk))
         lines.append(_check_extension())
-        lines.extend(_gpu_lines(torch))
+        lines.extend(_gpu_lines(torch, aitk))
+    lines.append(_host_ram_line(weights_gb))
+    windows = _windows_line()
+    if windows is not None:
+        lines.append(windows)
     lines.append(_memlock())
     lines.append(_shm())
     width = max(len(line.what) for line in lines)

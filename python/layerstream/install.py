@@ -1,31 +1,39 @@
 """`layerstream install` / `uninstall`: put layerstream's manager_modules in front of AI-Toolkit's own.
 
 Two modes, both reversible:
-  patch  applies patches/ai-toolkit.patch: it adds one new package, toolkit/memory_management/
-         manager_modules/, which Python imports before the stock manager_modules.py; it loads layerstream
-         (or, with LAYERSTREAM=0 or when layerstream cannot load, the stock file). No AI-Toolkit line changes.
+  patch  writes the one file of patches/ai-toolkit.patch, toolkit/memory_management/manager_modules/__init__.py:
+         a package Python imports before the stock manager_modules.py; it loads layerstream (or, with
+         LAYERSTREAM=0 or when layerstream cannot load, the stock file). No AI-Toolkit line changes.
   copy   copies the built extension into toolkit/memory_management/; Python loads an extension module
          before a .py of the same name.
+Every file install writes is recorded, with its sha256, in toolkit/memory_management/layerstream-install.json;
+uninstall removes exactly those files, and only while they are byte-identical to what was written.
 Failures raise InstallError with what went wrong and what to do; the CLI prints them without a traceback.
 """
 
 from __future__ import annotations
 
+import difflib
+import errno
 import hashlib
+import json
+import os
 import shutil
 import subprocess
-import tempfile
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from .aitk import KNOWN_VERSIONS, manager_version
+
 MM_DIR = Path("toolkit") / "memory_management"
 HOOK_DIR = MM_DIR / "manager_modules"
-# sha256 of toolkit/memory_management/manager.py in the AI-Toolkit versions layerstream is tested with.
-KNOWN_VERSIONS = {
-    "d7e3ed5cc2a4e0630bb66f0ab3d75d8068a56abf65b18b203a72055d7731e75e": "27a03a91 (2026-08)",
-    "93a8eafa942f7e47c31b02e88b91ec310fdafd4333ca737a74b1fda3e55c2839": "323b4aaf (2025-11)",
-}
+HOOK = HOOK_DIR / "__init__.py"
+MANIFEST = MM_DIR / "layerstream-install.json"
+# Hooks that layerstream versions before the manifest wrote (no layerstream-install.json next to them).
+LEGACY_HOOKS = {"da0d4ba72f1b135988fcd0c7193083e7df1d510d449e25def5f40de9eca464d9"}
+_WINDOWS = os.name == "nt"
 
 
 class InstallError(Exception):
@@ -36,25 +44,79 @@ class InstallError(Exception):
 class Checkout:
     root: Path
     version: str | None  # a KNOWN_VERSIONS name, or None
-    is_git: bool
 
     @property
     def mm_dir(self) -> Path:
         return self.root / MM_DIR
 
 
+@dataclass
+class Manifest:
+    """What one install wrote: paths relative to the checkout, each with the sha256 of the bytes written."""
+
+    mode: str
+    files: dict[str, str]
+    created_dirs: list[str] = field(default_factory=list)  # removed when empty, deepest first
+
+    def save(self, root: Path) -> None:
+        text = json.dumps({"layerstream": 1, "mode": self.mode, "files": self.files,
+                           "created_dirs": self.created_dirs}, indent=1)
+        _write(root / MANIFEST, (text + "\n").encode())
+
+    @classmethod
+    def load(cls, root: Path) -> Manifest | None:
+        path = root / MANIFEST
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text())
+                return cls(data["mode"], dict(data["files"]), list(data.get("created_dirs", [])))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise InstallError(f"{path} is damaged ({exc}); remove layerstream's files by hand "
+                                   f"({HOOK} or the copied manager_modules extension), then delete it") from exc
+        hook = root / HOOK
+        if hook.is_file() and _sha256(hook.read_bytes()) in LEGACY_HOOKS | {_sha256(hook_text().encode())}:
+            return cls("patch", {str(HOOK.as_posix()): _sha256(hook.read_bytes())}, [HOOK_DIR.as_posix()])
+        return None
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def patch_text() -> str:
     return resources.files("layerstream").joinpath("data", "ai-toolkit.patch").read_text()
 
 
-def _git(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+def hook_text() -> str:
+    """The one file patches/ai-toolkit.patch adds, from the patch's added lines."""
+    lines = [line[1:] for line in patch_text().splitlines() if line.startswith("+") and not line.startswith("+++")]
+    return "\n".join(lines) + "\n"
+
+
+def _os_failure(exc: OSError, path: Path, removing: bool = False) -> InstallError:
+    """An OSError on a checkout file as an InstallError that says what to do."""
+    if removing and _WINDOWS and path.suffix == ".pyd" and isinstance(exc, (PermissionError, OSError)):
+        return InstallError(f"{path} is in use ({exc.strerror or exc}): close AI-Toolkit first (every Python "
+                            "process that loaded it), then run the command again")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return InstallError(f"cannot {'remove' if removing else 'write'} {path}: {exc.strerror}. Make the "
+                            "checkout writable for this user (e.g. `chmod -R u+w toolkit/memory_management`), "
+                            "or run the command as its owner")
+    return InstallError(f"cannot {'remove' if removing else 'write'} {path}: {exc.strerror or exc}")
+
+
+def _write(path: Path, data: bytes) -> None:
     try:
-        result = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
-    except FileNotFoundError as exc:
-        raise InstallError("git is not installed; install git, or use --mode copy") from exc
-    if check and result.returncode != 0:
-        raise InstallError(f"`git {' '.join(args)}` failed in {root}: {result.stderr.strip() or result.stdout.strip()}")
-    return result
+        with open(path, "xb" if path.name != MANIFEST.name else "wb") as f:
+            f.write(data)
+    except OSError as exc:
+        raise _os_failure(exc, path) from exc
+
+
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess | None:
+    if shutil.which("git") is None:
+        return None
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
 
 
 def inspect(path: str | Path) -> Checkout:
@@ -63,18 +125,13 @@ def inspect(path: str | Path) -> Checkout:
     if not manager.is_file():
         raise InstallError(f"{root} is not an AI-Toolkit checkout: {MM_DIR / 'manager.py'} is missing. "
                            "Give the folder that contains toolkit/ (the root of your ai-toolkit clone).")
-    version = KNOWN_VERSIONS.get(hashlib.sha256(manager.read_bytes()).hexdigest())
-    is_git = shutil.which("git") is not None and _git(root, "rev-parse", "--is-inside-work-tree", check=False).returncode == 0
-    return Checkout(root, version, is_git)
+    return Checkout(root, manager_version(root / MM_DIR))
 
 
 def installed_mode(checkout: Checkout) -> str | None:
     """'patch', 'copy', or None (stock)."""
-    if (checkout.root / HOOK_DIR / "__init__.py").exists():
-        return "patch"
-    if _copied_extensions(checkout):
-        return "copy"
-    return None
+    manifest = Manifest.load(checkout.root)
+    return manifest.mode if manifest else None
 
 
 def _copied_extensions(checkout: Checkout) -> list[Path]:
@@ -82,17 +139,94 @@ def _copied_extensions(checkout: Checkout) -> list[Path]:
 
 
 def _local_changes(checkout: Checkout) -> str:
-    if not checkout.is_git:
-        return ""
-    return _git(checkout.root, "status", "--porcelain", "--", str(MM_DIR)).stdout.strip()
+    """`git status` of toolkit/memory_management, "" outside git (also when the checkout sits inside another
+    repository: the path filter keeps it to this folder)."""
+    result = _git(checkout.root, "status", "--porcelain", "--", str(MM_DIR))
+    return result.stdout.strip() if result is not None and result.returncode == 0 else ""
+
+
+def _in_git(checkout: Checkout) -> bool:
+    result = _git(checkout.root, "rev-parse", "--is-inside-work-tree")
+    return result is not None and result.returncode == 0
 
 
 def _native_extension() -> Path:
     try:
+        import torch  # noqa: F401  (first: on Windows it puts torch's DLLs on the search path)
         from layerstream import manager_modules
     except ImportError as exc:
-        raise InstallError(f"layerstream's extension cannot be loaded in this Python: {exc}") from exc
+        raise InstallError(f"layerstream's extension cannot be loaded in this Python: {exc}. Build it in "
+                           "AI-Toolkit's environment (docs/install.md)") from exc
     return Path(manager_modules.__file__)
+
+
+def _refuse_foreign_files(checkout: Checkout) -> None:
+    """Files layerstream would write, or that would shadow what it writes, that are not layerstream's."""
+    hook_dir = checkout.root / HOOK_DIR
+    if hook_dir.is_dir():
+        foreign = sorted(p.name for p in hook_dir.iterdir() if p.name != "__pycache__")
+        if foreign:
+            raise InstallError(f"{hook_dir} exists and was not written by layerstream (it holds "
+                               f"{', '.join(foreign[:5])}): move it out of the way, then install again")
+    elif hook_dir.exists():
+        raise InstallError(f"{hook_dir} exists and is not a folder: move it out of the way, then install again")
+    copies = _copied_extensions(checkout)
+    if copies:
+        raise InstallError(f"{copies[0]} exists and was not installed by layerstream (no {MANIFEST.name}): "
+                           f"delete it if it is an old copy of layerstream's extension, then install again")
+
+
+PROBE = r"""
+import importlib.util, json, os, sys
+mm_dir = sys.argv[1]
+spec = importlib.util.spec_from_file_location("_layerstream_probe", os.path.join(mm_dir, "__init__.py"),
+                                              submodule_search_locations=[mm_dir])
+package = importlib.util.module_from_spec(spec)
+sys.modules["_layerstream_probe"] = package
+spec.loader.exec_module(package)
+module = sys.modules["_layerstream_probe.manager_modules"]
+print("LOADED", module.__name__, getattr(module, "__file__", ""))
+if hasattr(module, "settings"):
+    print("SETTINGS", json.dumps(module.settings(), default=str))
+"""
+
+
+@dataclass
+class Probe:
+    """What a fresh interpreter found when it imported the checkout's toolkit.memory_management."""
+
+    layerstream: bool  # layerstream's module is what `from .manager_modules import ...` finds
+    detail: str  # the module's file, or why it did not load
+    settings: dict | None  # manager_modules.settings() where the module has it
+
+
+def probe(checkout: Checkout, env: dict[str, str] | None = None) -> Probe:
+    """Imports the checkout's toolkit.memory_management in a fresh interpreter (this Python) as AI-Toolkit does,
+    without AI-Toolkit's other packages; bytecode is not written into the checkout."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
+    result = subprocess.run([sys.executable, "-c", PROBE, str(checkout.mm_dir)], capture_output=True, text=True,
+                            env=env, cwd=checkout.root)
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("LOADED ", "SETTINGS ")))
+    warning = next((line.strip() for line in result.stderr.splitlines() if "layerstream could not be loaded" in line), "")
+    if result.returncode != 0 or "LOADED" not in lines:
+        return Probe(False, warning or (result.stderr.strip().splitlines() or ["no output"])[-1], None)
+    name, _, file = lines["LOADED"].partition(" ")
+    native = name == "layerstream.manager_modules" or file.endswith((".so", ".pyd"))
+    settings = json.loads(lines["SETTINGS"]) if "SETTINGS" in lines else None
+    return Probe(native, file or name if native else (warning or f"it loads {file or name}"), settings)
+
+
+def _verify(checkout: Checkout) -> None:
+    found = probe(checkout, {"LAYERSTREAM": "1"})
+    if not found.layerstream:
+        raise InstallError(f"installed, but toolkit.memory_management does not load layerstream in this Python "
+                           f"({found.detail}); the installation was undone. Run `layerstream doctor`")
+
+
+def next_steps(root: Path) -> str:
+    return (f"Next: set `layer_offloading: true` under `model:` in your job config (UI: Model -> Layer Offloading), "
+            f"start training, and look for `layerstream manager_modules active` in the log. Settings go into "
+            f"{root / '.env'} (e.g. LAYERSTREAM_VRAM_BUDGET=auto); `layerstream status {root}` shows them.")
 
 
 def install(path: str | Path, mode: str = "patch", force: bool = False) -> str:
@@ -109,43 +243,102 @@ def install(path: str | Path, mode: str = "patch", force: bool = False) -> str:
                            f"run `layerstream uninstall {checkout.root}` first")
     changes = _local_changes(checkout)
     if changes and not force:
-        raise InstallError(f"{MM_DIR} has local changes:\n{changes}\nCommit or stash them, or pass --force.")
+        raise InstallError(f"{MM_DIR} has local changes ({'; '.join(changes.splitlines()[:3])}): "
+                           "commit or stash them, or pass --force")
     extension = _native_extension()  # refuse before touching anything when it cannot load here
+    _refuse_foreign_files(checkout)
 
     if mode == "copy":
-        shutil.copy2(extension, checkout.mm_dir / extension.name)
-    elif checkout.is_git:
-        with tempfile.TemporaryDirectory() as tmp:
-            patch = Path(tmp) / "ai-toolkit.patch"
-            patch.write_text(patch_text())
-            check = _git(checkout.root, "apply", "--check", str(patch), check=False)
-            if check.returncode != 0:
-                raise InstallError(f"patches/ai-toolkit.patch does not apply to {checkout.root}: {check.stderr.strip()}")
-            _git(checkout.root, "apply", str(patch))
+        files = {(MM_DIR / extension.name).as_posix(): extension.read_bytes()}
+        created = []
     else:
-        _write_hook_without_git(checkout)
+        files = {HOOK.as_posix(): hook_text().encode()}
+        created = [] if (checkout.root / HOOK_DIR).is_dir() else [HOOK_DIR.as_posix()]
+    manifest = Manifest(mode, {rel: _sha256(data) for rel, data in files.items()}, created)
+    manifest.save(checkout.root)
+    try:
+        for rel in created:
+            try:
+                (checkout.root / rel).mkdir()
+            except OSError as exc:
+                raise _os_failure(exc, checkout.root / rel) from exc
+        for rel, data in files.items():
+            _write(checkout.root / rel, data)
+        _verify(checkout)
+    except InstallError:
+        _remove(checkout, manifest)
+        raise
+    if mode == "copy":
+        switch = "LAYERSTREAM=0 has no effect in copy mode (uninstall to run stock)"
+    else:
+        switch = "LAYERSTREAM=0 runs AI-Toolkit's stock manager_modules.py"
     return (f"installed layerstream in {checkout.root} ({mode} mode; AI-Toolkit "
-            f"{checkout.version or 'of an unknown version'}); LAYERSTREAM=0 runs stock")
+            f"{checkout.version or 'of an unknown version'}); the hook loads in this Python. {switch}.\n"
+            + next_steps(checkout.root))
 
 
-def _write_hook_without_git(checkout: Checkout) -> None:
-    """The patch only adds one file: outside git, write that file from the patch's added lines."""
-    lines = [line[1:] for line in patch_text().splitlines() if line.startswith("+") and not line.startswith("+++")]
-    target = checkout.root / HOOK_DIR
-    target.mkdir()
-    (target / "__init__.py").write_text("\n".join(lines) + "\n")
+def _diff(rel: str, written: bytes | None, now: bytes) -> str:
+    if written is None:
+        return f"{rel}: sha256 {_sha256(now)}, not the one layerstream wrote"
+    try:
+        return "".join(difflib.unified_diff(written.decode().splitlines(True), now.decode().splitlines(True),
+                                            f"{rel} (as installed)", f"{rel} (now)"))
+    except UnicodeDecodeError:
+        return f"{rel}: a binary file that changed since layerstream wrote it"
+
+
+def _remove(checkout: Checkout, manifest: Manifest) -> list[str]:
+    """Deletes the manifest's files (and the bytecode Python made of them), then the folders install created
+    when they are empty, then the manifest. Returns what was left in place."""
+    left = []
+    for rel in manifest.files:
+        path = checkout.root / rel
+        for stale in [path, *path.parent.glob(f"__pycache__/{path.stem}.*.pyc")] if path.suffix == ".py" else [path]:
+            try:
+                stale.unlink(missing_ok=True)
+            except OSError as exc:
+                raise _os_failure(exc, stale, removing=True) from exc
+        cache = path.parent / "__pycache__"
+        if cache.is_dir() and not any(cache.iterdir()):
+            cache.rmdir()
+    for rel in sorted(manifest.created_dirs, key=len, reverse=True):
+        folder = checkout.root / rel
+        if folder.is_dir():
+            if any(folder.iterdir()):
+                left.append(f"{rel}/ (holds files layerstream did not write: {', '.join(sorted(p.name for p in folder.iterdir())[:5])})")
+            else:
+                folder.rmdir()
+    try:
+        (checkout.root / MANIFEST).unlink(missing_ok=True)
+    except OSError as exc:
+        raise _os_failure(exc, checkout.root / MANIFEST, removing=True) from exc
+    return left
 
 
 def uninstall(path: str | Path) -> str:
     checkout = inspect(path)
-    mode = installed_mode(checkout)
-    if mode is None:
-        return f"layerstream is not installed in {checkout.root}; nothing to do"
-    if mode == "copy":
-        for extension in _copied_extensions(checkout):
-            extension.unlink()
-    else:
-        shutil.rmtree(checkout.root / HOOK_DIR)  # the patch's one file, and its __pycache__
-    left = _local_changes(checkout)
-    note = "" if not checkout.is_git else (" (git status: clean)" if not left else f" (git status still shows:\n{left})")
-    return f"removed layerstream ({mode} mode) from {checkout.root}{note}"
+    manifest = Manifest.load(checkout.root)
+    if manifest is None:
+        note = ""
+        if (checkout.root / HOOK_DIR).exists() or _copied_extensions(checkout):
+            note = (f" ({HOOK_DIR}/ or a manager_modules extension is there, but layerstream did not write it "
+                    "or it was changed since; it was left alone)")
+        return f"layerstream is not installed in {checkout.root}; nothing to do{note}"
+    changed = []
+    for rel, digest in manifest.files.items():
+        file = checkout.root / rel
+        if file.is_file() and _sha256(now := file.read_bytes()) != digest:
+            written = hook_text().encode() if rel == HOOK.as_posix() and _sha256(hook_text().encode()) == digest else None
+            changed.append(_diff(rel, written, now))
+    if changed:
+        raise InstallError(
+            f"{len(changed)} file(s) layerstream installed in {checkout.root} changed since; nothing was removed. "
+            "Restore or delete them yourself, then run uninstall again:\n" + "\n".join(changed))
+    left = _remove(checkout, manifest)
+    report = f"removed layerstream ({manifest.mode} mode) from {checkout.root}: {', '.join(manifest.files)}"
+    if left:
+        report += "\nleft in place: " + "; ".join(left)
+    if _in_git(checkout):
+        status = _local_changes(checkout)
+        report += " (git status: clean)" if not status else f"\ngit status still shows:\n{status}"
+    return report
