@@ -124,22 +124,71 @@ def test_a_weight_in_quantos_marlin_layout_streams_in_its_natural_one(engine, de
         assert torch.equal(g, e), what
 
 
-def test_torchao_float8_weight_only_streams_as_stored(engine, device):
+def _torchao_codes_and_scale(weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes and scale torchao keeps for a float8 weight: an AffineQuantizedTensor with the Float8Layout
+    (torchao 0.10, AI-Toolkit's pin, to 0.1x) keeps them in its tensor_impl, a Float8Tensor (since) itself."""
+    if hasattr(weight, "tensor_impl"):
+        return weight.tensor_impl.float8_data, weight.tensor_impl.scale
+    return weight.qdata, weight.scale
+
+
+def _stored_bytes(*tensors) -> list[int]:
+    return [t.numel() * t.element_size() for t in tensors]
+
+
+def _torchao_float8_linear(fin: int, fout: int, dtype: torch.dtype, seed: int, bias: bool = True, **config):
+    """A frozen Linear quantized by torchao's Float8WeightOnlyConfig (what AI-Toolkit's quantize() applies
+    for qtype float8), whichever torchao is installed."""
     quant = pytest.importorskip("torchao.quantization", reason="torchao is not installed")
-    torch.manual_seed(4)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 40)).to(torch.bfloat16)
-    quant.quantize_(model, quant.Float8WeightOnlyConfig())
-    model.requires_grad_(False)
-    layer = model[0].to(device)
-    x = torch.randn(3, 7, 64, dtype=torch.bfloat16, device=device)
-    expected = F.linear(x, layer.weight.dequantize(), layer.bias)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(fin, fout, bias=bias)).to(dtype)
+    quant.quantize_(model, quant.Float8WeightOnlyConfig(**config))
+    return model.requires_grad_(False)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
+def test_torchao_float8_weight_only_streams_as_stored_and_computes_bitwise(engine, device, dtype, fp8):
+    layer = _torchao_float8_linear(64, 40, dtype, seed=4, weight_dtype=getattr(torch, fp8)).to(device)
+    layer.bias.requires_grad_(True)
+    x = torch.randn(3, 7, 64, dtype=dtype, device=device)
+    expected = _forward_backward(lambda t: _reference(layer, t, False), x, layer.bias)
+    codes, scale = _torchao_codes_and_scale(layer.weight)
+    scale_shape = scale.shape
+    codes_bytes, scale_bytes, bias_bytes = _stored_bytes(codes, scale, layer.bias)
+
     mm.LinearLayerMemoryManager.attach(layer, Manager(device))
     lmm = layer._layer_memory_manager
-    assert lmm.path == "quantized" and lmm.stored_as == "Float8_e4m3fn"
-    assert lmm.packed_bytes == _align(_align(64 * 40) + 40 * 4) + 40 * 2  # codes, float32 scales, bias
-    assert layer.weight.qdata.device.type == "cpu"
+    assert lmm.path == "quantized"
+    assert lmm.stored_as == {"float8_e4m3fn": "Float8_e4m3fn", "float8_e5m2": "Float8_e5m2"}[fp8]
+    assert lmm.packed_bytes == _align(_align(codes_bytes) + scale_bytes) + bias_bytes
+    # The codes and scale are views of the arena, on the host, in the library's own shapes.
+    codes, scale = _torchao_codes_and_scale(layer.weight)
+    assert codes.device.type == "cpu" and scale.device.type == "cpu" and scale.shape == scale_shape
+    if engine == "cuda":
+        assert codes.is_pinned()
+    got = _forward_backward(layer, x, layer.bias)
+    for g, e, what in zip(got, expected, ("output", "grad input", "grad bias")):
+        assert g.device == e.device and torch.equal(g, e), what
+    assert layer.weight.grad is None
+
+
+def test_each_torchao_float8_call_moves_the_codes_and_scale_as_stored(engine, device):
+    """AI-Toolkit's linears have no bias: a call's copy is the codes (one byte a weight) and the scale, as
+    stored, nothing else."""
+    if engine == "cpu":
+        pytest.skip("the CPU process device copies nothing")
+    layers = [_torchao_float8_linear(256, 128 + 64 * i, torch.bfloat16, seed=i, bias=False) for i in range(3)]
+    stored = [sum(_stored_bytes(*_torchao_codes_and_scale(l.weight))) for l in layers]
+    for layer in layers:
+        mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    assert [l._layer_memory_manager.packed_bytes for l in layers] == stored
+    x = torch.randn(2, 256, dtype=torch.bfloat16, device=device)
     with torch.no_grad():
-        assert torch.equal(layer(x), expected)
+        for layer, n in zip(layers, stored):
+            before = mm.stats()["bytes_h2d"]
+            layer(x)
+            assert mm.stats()["bytes_h2d"] - before == n
 
 
 def test_a_trainable_quantized_weight_goes_through_its_library(engine, device, caplog):
