@@ -931,6 +931,8 @@ PYBIND11_MODULE(manager_modules, m) {
     }
     log_step_telemetry();
   }, "Joins every pending device-to-host gradient copy (call before reading .grad or stepping).");
+  m.def("_reset_log_once", &reset_log_once,
+        "Forgets which once-only messages this module logged (its own log state, not _native's). For tests.");
   m.def("stats", &stats, "Totals over every live device state: bytes moved, reuse, host memory.");
   m.def("live_device_states", [] { return DeviceState::live().size(); },
         "How many device states are alive (each holds streams, events and a ring).");

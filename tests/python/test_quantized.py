@@ -191,6 +191,59 @@ def test_each_torchao_float8_call_moves_the_codes_and_scale_as_stored(engine, de
             assert mm.stats()["bytes_h2d"] - before == n
 
 
+def _affine_float8_linear(block_size, scale_dtype=None, seed=5) -> torch.nn.Linear:
+    """A frozen bf16 Linear whose weight is torchao's AffineQuantizedTensor with the Float8Layout (0.10 to
+    0.1x; Float8WeightOnlyConfig makes block_size (1, in), a scale per row in the weight's dtype)."""
+    dtypes = pytest.importorskip("torchao.dtypes", reason="torchao is not installed")
+    if not hasattr(dtypes, "Float8Layout"):
+        pytest.skip("this torchao has no AffineQuantizedTensor float8 layout (torchao 0.10 to 0.1x have it)")
+    torch.manual_seed(seed)
+    layer = torch.nn.Linear(64, 40).to(torch.bfloat16).requires_grad_(False)
+    w = dtypes.to_affine_quantized_floatx(layer.weight, block_size, torch.float8_e4m3fn, dtypes.Float8Layout(),
+                                          scale_dtype=scale_dtype)
+    layer.weight = torch.nn.Parameter(w, requires_grad=False)
+    return layer
+
+
+@pytest.mark.parametrize("grouping", ["per_tensor", "float32_scale_per_row"])
+def test_torchao_affine_float8_groupings_stream_as_stored(engine, device, grouping):
+    layer = _affine_float8_linear((40, 64) if grouping == "per_tensor" else (1, 64),
+                                  torch.float32 if grouping == "float32_scale_per_row" else None).to(device)
+    _, scale = _torchao_codes_and_scale(layer.weight)
+    assert scale.numel() == (1 if grouping == "per_tensor" else 40)
+    x = torch.randn(3, 64, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        expected = _reference(layer, x, False)
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    assert layer._layer_memory_manager.path == "quantized"
+    assert layer._layer_memory_manager.packed_bytes == _align(_align(64 * 40) + sum(_stored_bytes(scale))) + 40 * 2
+    with torch.no_grad():
+        assert torch.equal(layer(x), expected)
+
+
+def test_a_weight_of_a_layout_not_streamed_says_so_once_with_its_type(engine, device, caplog):
+    """Block-wise scales within a row are not on the fused path: the generic path, one INFO line naming the
+    type, its layout and block size (once for every layer of that kind), and the library's own result."""
+    layers = [_affine_float8_linear((1, 32), seed=s) for s in (6, 7)]
+    x = torch.randn(3, 64, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        expected = [_reference(layer.to(device), x, False) for layer in layers]
+    mm._reset_log_once()
+    with caplog.at_level(logging.INFO, logger="layerstream"):
+        for layer in layers:
+            mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    lines = [r for r in caplog.records if "take the generic path" in r.getMessage()]
+    assert [r.levelno for r in lines] == [logging.INFO]
+    assert lines[0].getMessage().startswith(
+        "weights of type torchao.dtypes.affine_quantized_tensor.AffineQuantizedTensor with "
+        "torchao.dtypes.floatx.float8_layout.Float8AQTTensorImpl, block_size (1, 32), dtype torch.bfloat16 take "
+        "the generic path (moved as stored and dequantized by their library at every call, no prefetch)")
+    with torch.no_grad():
+        for layer, e in zip(layers, expected):
+            assert layer._layer_memory_manager.path == "generic"
+            assert torch.equal(layer(x), e)
+
+
 def test_a_trainable_quantized_weight_goes_through_its_library(engine, device, caplog):
     layer = _quanto_layer("qfloat8", torch.bfloat16, seed=5).to(device)
     layer.weight.requires_grad_(True)
