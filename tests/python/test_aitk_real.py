@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import aitk_dirs
+from conftest import aitk_dirs, torchao_codes_and_scale
 from layerstream import manager_modules as mm
 from layerstream.aitk import load_memory_management
 from models import TinyTransformer, apply_lora, train_lora
@@ -177,14 +177,6 @@ def test_real_ostris_linear_streams_its_buffers_and_computes_like_itself(engine,
         assert torch.equal(lin(x), F.linear(x, lin.dequantize_weight().to(device).to(x.dtype), lin.bias.to(device)))
 
 
-def _stored_codes_and_scale(weight) -> tuple[int, int]:
-    """Bytes of the codes and of the scale torchao keeps for a float8 weight (AffineQuantizedTensor's
-    tensor_impl in torchao 0.10, AI-Toolkit's pin; Float8Tensor's own since)."""
-    holder = weight.tensor_impl if hasattr(weight, "tensor_impl") else weight
-    codes = holder.float8_data if hasattr(holder, "float8_data") else holder.qdata
-    return codes.numel() * codes.element_size(), holder.scale.numel() * holder.scale.element_size()
-
-
 @pytest.mark.parametrize("aitk_dir", DIRS)
 def test_real_quantize_float8_streams_as_stored_and_trains_bitwise(engine, device, aitk_dir):
     """With layer_offloading on, AI-Toolkit turns qtype qfloat8 into torchao float8 (config_modules.py) and
@@ -206,7 +198,7 @@ def test_real_quantize_float8_streams_as_stored_and_trains_bitwise(engine, devic
     for lin in (m for m in resident.modules() if isinstance(m, torch.nn.Linear)):
         lin.weight = torch.nn.Parameter(lin.weight.dequantize(), requires_grad=False)
     linears = [m for m in managed.modules() if isinstance(m, torch.nn.Linear)]
-    stored = [_stored_codes_and_scale(m.weight) for m in linears]
+    stored = [[t.numel() * t.element_size() for t in torchao_codes_and_scale(m.weight)] for m in linears]
     package = load_memory_management(aitk_dir, engine="layerstream")
     random.seed(0)
     package.MemoryManager.attach(managed, device, offload_percent=1.0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import clear_device_states
+from conftest import clear_device_states, torchao_codes_and_scale
 from layerstream import manager_modules as mm
 from linear_checks import check_forward, check_forward_backward, start_fuzz
 
@@ -124,14 +124,6 @@ def test_a_weight_in_quantos_marlin_layout_streams_in_its_natural_one(engine, de
         assert torch.equal(g, e), what
 
 
-def _torchao_codes_and_scale(weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """The codes and scale torchao keeps for a float8 weight: an AffineQuantizedTensor with the Float8Layout
-    (torchao 0.10, AI-Toolkit's pin, to 0.1x) keeps them in its tensor_impl, a Float8Tensor (since) itself."""
-    if hasattr(weight, "tensor_impl"):
-        return weight.tensor_impl.float8_data, weight.tensor_impl.scale
-    return weight.qdata, weight.scale
-
-
 def _stored_bytes(*tensors) -> list[int]:
     return [t.numel() * t.element_size() for t in tensors]
 
@@ -153,7 +145,7 @@ def test_torchao_float8_weight_only_streams_as_stored_and_computes_bitwise(engin
     layer.bias.requires_grad_(True)
     x = torch.randn(3, 7, 64, dtype=dtype, device=device)
     expected = _forward_backward(lambda t: _reference(layer, t, False), x, layer.bias)
-    codes, scale = _torchao_codes_and_scale(layer.weight)
+    codes, scale = torchao_codes_and_scale(layer.weight)
     scale_shape = scale.shape
     codes_bytes, scale_bytes, bias_bytes = _stored_bytes(codes, scale, layer.bias)
 
@@ -163,7 +155,7 @@ def test_torchao_float8_weight_only_streams_as_stored_and_computes_bitwise(engin
     assert lmm.stored_as == {"float8_e4m3fn": "Float8_e4m3fn", "float8_e5m2": "Float8_e5m2"}[fp8]
     assert lmm.packed_bytes == _align(_align(codes_bytes) + scale_bytes) + bias_bytes
     # The codes and scale are views of the arena, on the host, in the library's own shapes.
-    codes, scale = _torchao_codes_and_scale(layer.weight)
+    codes, scale = torchao_codes_and_scale(layer.weight)
     assert codes.device.type == "cpu" and scale.device.type == "cpu" and scale.shape == scale_shape
     if engine == "cuda":
         assert codes.is_pinned()
@@ -179,7 +171,7 @@ def test_each_torchao_float8_call_moves_the_codes_and_scale_as_stored(engine, de
     if engine == "cpu":
         pytest.skip("the CPU process device copies nothing")
     layers = [_torchao_float8_linear(256, 128 + 64 * i, torch.bfloat16, seed=i, bias=False) for i in range(3)]
-    stored = [sum(_stored_bytes(*_torchao_codes_and_scale(l.weight))) for l in layers]
+    stored = [sum(_stored_bytes(*torchao_codes_and_scale(l.weight))) for l in layers]
     for layer in layers:
         mm.LinearLayerMemoryManager.attach(layer, Manager(device))
     assert [l._layer_memory_manager.packed_bytes for l in layers] == stored
@@ -209,7 +201,7 @@ def _affine_float8_linear(block_size, scale_dtype=None, seed=5) -> torch.nn.Line
 def test_torchao_affine_float8_groupings_stream_as_stored(engine, device, grouping):
     layer = _affine_float8_linear((40, 64) if grouping == "per_tensor" else (1, 64),
                                   torch.float32 if grouping == "float32_scale_per_row" else None).to(device)
-    _, scale = _torchao_codes_and_scale(layer.weight)
+    _, scale = torchao_codes_and_scale(layer.weight)
     assert scale.numel() == (1 if grouping == "per_tensor" else 40)
     x = torch.randn(3, 64, dtype=torch.bfloat16, device=device)
     with torch.no_grad():
