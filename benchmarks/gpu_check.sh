@@ -34,6 +34,14 @@
 #   rings  FLUX.1-shaped bf16 100% streamed, layerstream alone, at several ring sizes, lookaheads and
 #          placements (LAYERSTREAM_PERF_RINGS="default default:lru 1024 1536x16:lru ...": MiB, x layers,
 #          :fifo or :lru for LAYERSTREAM_RING_POLICY)
+#   aitkmm AI-Toolkit's own toolkit/memory_management/test_memory_manager.py, unchanged (1.2B, LoRA 32, bf16 and
+#          its float8 quantize(), 100% offload or none, checkpointing on and off: 8 subprocesses) in a scratch
+#          copy of .aitk/<commit> (LAYERSTREAM_AITKMM_DIR; it needs the checkout's toolkit/ Python files, info.py
+#          and version.py), stock and after `layerstream install` in copy and patch mode, on AI-Toolkit's
+#          library pair (.whl/*.whl: torchao 0.10.0, optimum-quanto 0.2.4) and the current one (.whl/current/:
+#          torchao 0.18.0, optimum-quanto 0.2.7, in front); LAYERSTREAM_AITKMM picks among pinned:stock
+#          pinned:copy pinned:patch current:stock current:copy current:patch (default all six); each run's
+#          versions and table go to $OUT/aitkmm-<pair>-<engine>.txt and the table into the summary
 # One lent-machine call has 10 minutes: `core`, `py,quant`, `san` and `bench` each fit one call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -463,6 +471,49 @@ if want mem; then
     step "AI-Toolkit's flow under a 24 GiB cap, layerstream auto, the user takes 4 GiB before step 4 for 2 steps"
     flux mem_flux1_pressure LAYERSTREAM_VRAM_BUDGET=auto "${FLOW[@]}" --mode layerstream --user-alloc-gb 4
     grep -E "found no room|VRAM budget on" "$OUT/all.log" | tail -n 6 | sed 's/^/      /' >>"$OUT/summary.txt"
+  fi
+fi
+
+# One run of AI-Toolkit's test_memory_manager.py in the scratch copy TREE (outside this repository, where
+# `layerstream install` would find this repository's git), with PYTHONPATH=SITE: versions and table to TXT.
+aitkmm_one() {  # aitkmm_one stock|copy|patch TREE SITE TXT
+  local engine=$1 tree=$2 site=$3 txt=$4
+  if [[ $engine != stock ]]; then python3 -m layerstream install "$tree" --mode "$engine" || return 1; fi
+  ( cd "$tree" && export PYTHONPATH="$site" PYTHONUNBUFFERED=1 &&
+    { date -u +%FT%TZ
+      python3 -c 'import importlib.metadata as m, sys, torch
+print("torch", torch.__version__, "torchao", m.version("torchao"), "optimum-quanto", m.version("optimum-quanto"),
+      "manager_modules:", sys.argv[1])' "$engine"
+      python3 toolkit/memory_management/test_memory_manager.py; } | tee "$txt" )
+}
+
+if want aitkmm; then
+  ensure_installed
+  AITKMM_SRC="${LAYERSTREAM_AITKMM_DIR:-$(ls -d "$PWD"/.aitk/27a03a91 2>/dev/null)}"
+  if [[ ! -f "$AITKMM_SRC/toolkit/memory_management/test_memory_manager.py" || ! -f "$AITKMM_SRC/version.py" ]]; then
+    echo "   FAIL aitkmm: '$AITKMM_SRC' has no toolkit/memory_management/test_memory_manager.py and version.py" \
+      "(copy the checkout's toolkit/*.py, info.py and version.py there, or set LAYERSTREAM_AITKMM_DIR)" | tee -a "$OUT/summary.txt"
+    status=1
+  else
+    if compgen -G ".whl/current/*.whl" >/dev/null && [[ ! -e /tmp/site-current/.installed ]]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-current \
+        .whl/current/*.whl && touch /tmp/site-current/.installed
+    fi
+    for item in ${LAYERSTREAM_AITKMM:-pinned:stock pinned:copy pinned:patch current:stock current:copy current:patch}; do
+      pair=${item%%:*} engine=${item#*:}
+      site="${PYTHONPATH:-}"
+      if [[ $pair == current ]]; then
+        [[ -e /tmp/site-current/.installed ]] || { echo "   FAIL aitkmm_$pair-$engine: no wheels in .whl/current/" \
+          | tee -a "$OUT/summary.txt"; status=1; continue; }
+        site="/tmp/site-current${site:+:$site}"
+      fi
+      step "AI-Toolkit's test_memory_manager.py, $engine, library pair $pair"
+      tree="/tmp/aitkmm/$pair-$engine"
+      rm -rf "$tree" && mkdir -p /tmp/aitkmm && cp -r "$AITKMM_SRC" "$tree"
+      txt="$OUT/aitkmm-$pair-$engine.txt"
+      run "aitkmm_$pair-$engine" aitkmm_one "$engine" "$tree" "$site" "$txt"
+      grep -E "│" "$txt" 2>/dev/null | sed "s/^/      $pair-$engine /" >>"$OUT/summary.txt"
+    done
   fi
 fi
 

@@ -20,5 +20,16 @@ cmake -S . -B "$BUILD" -G Ninja -DLAYERSTREAM_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=
   ${LAYERSTREAM_GTEST_SOURCE:+-DLAYERSTREAM_GTEST_SOURCE="$LAYERSTREAM_GTEST_SOURCE"} ${CMAKE_ARGS:-}
 cmake --build "$BUILD"
 ctest --test-dir "$BUILD" --output-on-failure -j "$(nproc)"
-# From a neutral directory, so that pytest imports the installed package, not the source tree.
-cd /tmp && python -m pytest -q -rs "$OLDPWD/tests/python"
+# From a neutral directory, so that pytest imports the installed package, not the source tree. The
+# environment has optimum-quanto and torchao at AI-Toolkit's pins (requirements-dev.txt).
+(cd /tmp && python -m pytest -q -rs "$OLDPWD/tests/python")
+# The quantized tests again on the libraries' current releases, installed into a folder of their own and put
+# in front of the pinned pair (LAYERSTREAM_TEST_CURRENT_QUANT=0 skips this).
+if [[ ${LAYERSTREAM_TEST_CURRENT_QUANT:-1} != 0 ]]; then
+  CURRENT="$(cd "$BUILD" && pwd)/quant-current"
+  python -m pip install -q --no-deps --upgrade --target "$CURRENT" -r requirements-quant-current.txt
+  T="$PWD/tests/python"
+  (cd /tmp && PYTHONPATH="$CURRENT${PYTHONPATH:+:$PYTHONPATH}" python -m pytest -q -rs \
+    "$T/test_quantized.py" "$T/test_quantized_generic.py" \
+    "$T/test_aitk_real.py::test_real_quantize_float8_streams_as_stored_and_trains_bitwise")
+fi

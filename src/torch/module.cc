@@ -52,10 +52,11 @@ namespace {
 struct LayerManager {
   c10::intrusive_ptr<StreamedLayer> layer;  // null on the generic path
   std::string path;                          // "streamed", "cpu", "quantized", "generic" or "ostris"
-  // Quantized path: the weight object whose codes were packed, and the attribute names of its codes and
-  // scale (they differ between libraries).
+  // Quantized path: the weight object whose codes were packed, the attribute of it that holds the codes
+  // and scale ("" when the weight holds them itself; torchao's AffineQuantizedTensor keeps them in its
+  // `tensor_impl`), and the attribute names of its codes and scale (they differ between libraries).
   py::object quant_weight;
-  std::string codes_attr, scale_attr;
+  std::string holder_attr, codes_attr, scale_attr;
   // OstrisLinear path: the names of the packed buffers, in block order (then the bias, when it has one).
   std::vector<std::string> buffer_names;
   bool ostris_bias = false;
@@ -178,40 +179,102 @@ bool needs_dequantize(const py::object& w) {
   return !w.attr("dtype").attr("is_floating_point").cast<bool>();
 }
 
-// A library-quantized weight layerstream streams natively: its codes and scale (attribute names), and
-// the dtypes of the library's dequantize(): ((codes.to(math) * scale) in math).to(result).
+// A library-quantized weight layerstream streams natively: the object holding its codes and scale (the
+// weight, or the attribute `holder_attr` of it), their attribute names, and the dtypes of the library's
+// dequantize(): ((codes.to(math) * scale) in math).to(result). `scale` is the library's scale seen with
+// one dimension per codes dimension ([out, 1, ...]) where the library keeps it as [out];
+// `scale_sizes` is the library's own shape, which the packed view gets back.
 struct QuantSource {
   std::string library;
-  std::string codes_attr, scale_attr;
+  py::object holder;
+  std::string holder_attr, codes_attr, scale_attr;
   at::Tensor codes, scale;
+  std::vector<std::int64_t> scale_sizes;
   at::ScalarType math = at::kFloat, result = at::kBFloat16;
 };
 
-// optimum-quanto WeightQBytesTensor (qfloat8 e4m3/e5m2, qint8): dequantize() = scale * codes.to(scale
-// dtype). torchao Float8Tensor, weight-only: dequantize() = (codes.to(float32) * scale).to(dtype).
+std::string type_name_of(const py::handle& obj) {
+  const py::object type = py::type::of(obj);
+  return type.attr("__module__").cast<std::string>() + "." + type.attr("__name__").cast<std::string>();
+}
+
+// What a weight is, for the line that says it takes the generic path: its type, and for torchao's
+// AffineQuantizedTensor the tensor_impl (the layout) and block size that decide how it dequantizes.
+std::string describe_weight(const py::object& w) {
+  std::string kind = type_name_of(w);
+  if (py::hasattr(w, "tensor_impl")) kind += " with " + type_name_of(w.attr("tensor_impl"));
+  if (py::hasattr(w, "block_size")) kind += ", block_size " + py::str(w.attr("block_size")).cast<std::string>();
+  if (py::hasattr(w, "dtype")) kind += ", dtype " + py::str(w.attr("dtype")).cast<std::string>();
+  return kind;
+}
+
+// torchao 0.10 to 0.1x's float8 weight-only layout (Float8WeightOnlyConfig, which AI-Toolkit's quantize()
+// applies for qtype float8): an AffineQuantizedTensor whose Float8AQTTensorImpl holds `float8_data` (out,
+// in) and `scale`, one per row ([out], block_size (1, in)) or one for the tensor (block_size the shape),
+// no zero point. Its dequantize() is codes.to(dtype) * scale in the promoted dtype (0.10), later
+// (codes.to(float32) * scale).to(dtype); a float8 code (at most 4 significant bits) times a float32,
+// float16 or bfloat16 scale is exact in float32, so both round once to the same value as float32 math.
+bool torchao_affine_float8(const py::object& w, QuantSource& q) {
+  if (!py::hasattr(w, "tensor_impl") || !py::hasattr(w, "block_size")) return false;
+  const py::object impl = w.attr("tensor_impl");
+  const py::object impl_type = py::type::of(impl);
+  if (impl_type.attr("__name__").cast<std::string>() != "Float8AQTTensorImpl") return false;
+  const py::object transposed = py::getattr(impl, "transposed", py::none());
+  if (!transposed.is_none() && transposed.cast<bool>()) return false;  // codes stored (in, out)
+  const py::object domain = py::getattr(w, "zero_point_domain", py::none());
+  if (!domain.is_none() && py::str(py::getattr(domain, "name", domain)).cast<std::string>() != "NONE") return false;
+  if (!py::hasattr(impl, "float8_data") || !py::hasattr(impl, "scale")) return false;
+  const at::Tensor codes = impl.attr("float8_data").cast<at::Tensor>();
+  const auto block = w.attr("block_size").cast<std::vector<std::int64_t>>();
+  if (codes.dim() < 1 || block.size() != static_cast<std::size_t>(codes.dim())) return false;
+  for (std::int64_t d = 1; d < codes.dim(); ++d) {
+    if (block[d] != codes.size(d)) return false;  // block-wise scales within a row
+  }
+  if (block[0] != 1 && block[0] != codes.size(0)) return false;
+  q.library = "torchao";
+  q.holder = impl;
+  q.holder_attr = "tensor_impl";
+  q.codes_attr = "float8_data";
+  q.scale_attr = "scale";
+  return true;
+}
+
+// optimum-quanto WeightQBytesTensor (0.2.5 on) or QBytesTensor (0.2.4, AI-Toolkit's pin), qfloat8
+// e4m3/e5m2 and qint8: dequantize() = scale * codes.to(scale dtype). torchao Float8Tensor, weight-only:
+// dequantize() = (codes.to(float32) * scale).to(dtype); torchao's AffineQuantizedTensor float8 above.
 std::optional<QuantSource> quant_source_of(const py::object& w) {
   if (w.is_none()) return std::nullopt;
   const py::object type = py::type::of(w);
   const std::string name = type.attr("__name__").cast<std::string>();
   const std::string mod = type.attr("__module__").cast<std::string>();
   QuantSource q;
-  if (mod.rfind("optimum.quanto", 0) == 0 && name == "WeightQBytesTensor") {
+  if (mod.rfind("optimum.quanto", 0) == 0 && (name == "WeightQBytesTensor" || name == "QBytesTensor")) {
     const py::object axis = py::getattr(w, "axis", py::int_(0));
     if (!axis.is_none() && axis.cast<int>() != 0) return std::nullopt;
     q.library = "optimum-quanto";
+    q.holder = w;
     q.codes_attr = "_data";
     q.scale_attr = "_scale";
   } else if (mod.rfind("torchao", 0) == 0 && name == "Float8Tensor") {
     if (!py::getattr(w, "act_quant_kwargs", py::none()).is_none()) return std::nullopt;  // not weight-only
     q.library = "torchao";
+    q.holder = w;
     q.codes_attr = "qdata";
     q.scale_attr = "scale";
+  } else if (mod.rfind("torchao", 0) == 0 && name == "AffineQuantizedTensor") {
+    if (!torchao_affine_float8(w, q)) return std::nullopt;
   } else {
     return std::nullopt;
   }
-  if (!py::hasattr(w, q.codes_attr.c_str()) || !py::hasattr(w, q.scale_attr.c_str())) return std::nullopt;
-  q.codes = w.attr(q.codes_attr.c_str()).cast<at::Tensor>();
-  q.scale = w.attr(q.scale_attr.c_str()).cast<at::Tensor>();
+  if (!py::hasattr(q.holder, q.codes_attr.c_str()) || !py::hasattr(q.holder, q.scale_attr.c_str())) return std::nullopt;
+  q.codes = q.holder.attr(q.codes_attr.c_str()).cast<at::Tensor>();
+  q.scale = q.holder.attr(q.scale_attr.c_str()).cast<at::Tensor>();
+  q.scale_sizes = q.scale.sizes().vec();
+  if (q.codes.dim() > 1 && q.scale.dim() == 1 && q.scale.numel() == q.codes.size(0) && q.scale.numel() > 1) {
+    std::vector<std::int64_t> per_row(q.codes.dim(), 1);
+    per_row[0] = q.codes.size(0);
+    q.scale = q.scale.view(per_row);  // [out] as [out, 1, ...]
+  }
   // Other groupings (block-wise scales) and code types take the generic path.
   if (!quantized_layout_supported(q.codes, q.scale)) return std::nullopt;
   if (q.library == "torchao") {
@@ -342,9 +405,10 @@ void pack_quantized(const py::object& module, LayerManager& core) {
   const at::Tensor bias = tensor_or_undefined(py::getattr(module, "bias", py::none()));
   const bool frozen = !w.cast<at::Tensor>().requires_grad();
   auto views = core.layer->pack_quantized(q->codes, q->scale, q->math, q->result, bias, frozen);
-  py::setattr(w, q->codes_attr.c_str(), py::cast(views[0]));
-  py::setattr(w, q->scale_attr.c_str(), py::cast(views[1]));
+  py::setattr(q->holder, q->codes_attr.c_str(), py::cast(views[0]));
+  py::setattr(q->holder, q->scale_attr.c_str(), py::cast(views[1].view(q->scale_sizes)));
   core.quant_weight = w;
+  core.holder_attr = q->holder_attr;
   core.codes_attr = q->codes_attr;
   core.scale_attr = q->scale_attr;
 }
@@ -379,8 +443,12 @@ py::object quantized_forward(const py::object& module, LayerManager& core, const
     return generic_forward(module, x, conv, state);
   }
   const at::Tensor bias = tensor_or_undefined(param_of(module, "bias"));
-  bool current = w.is(core.quant_weight) && py::hasattr(w, core.codes_attr.c_str());
-  if (current) current = core.layer->is_current(w.attr(core.codes_attr.c_str()).cast<at::Tensor>(), bias);
+  bool current = w.is(core.quant_weight);
+  if (current) {
+    const py::object holder = core.holder_attr.empty() ? w : py::getattr(w, core.holder_attr.c_str(), py::none());
+    current = py::hasattr(holder, core.codes_attr.c_str()) &&
+              core.layer->is_current(holder.attr(core.codes_attr.c_str()).cast<at::Tensor>(), bias);
+  }
   if (!current) {
     if (!streams_quantized(w)) {
       throw py::value_error("layerstream: this layer's weight was replaced by one it cannot stream (" +
@@ -483,6 +551,13 @@ void attach(const py::object& module, const py::object& manager, Which which) {
       pack_quantized(module, core);
       core.path = "quantized";
     } else {
+      if (!empty && !is_plain(weight)) {
+        const std::string kind = describe_weight(weight);
+        log_once("generic-weight-" + kind, LogLevel::kInfo,
+                 "weights of type " + kind + " take the generic path (moved as stored and dequantized by their "
+                 "library at every call, no prefetch): not a layout layerstream streams natively (docs/ai-toolkit.md, "
+                 "Quantized weights)");
+      }
       move_params_to_cpu(module);
       core.path = "generic";
     }
@@ -852,6 +927,8 @@ PYBIND11_MODULE(manager_modules, m) {
     log_step_telemetry();
   }, "Joins every pending device-to-host gradient copy (call before reading .grad or stepping).");
   bind_settings(m);
+  m.def("_reset_log_once", &reset_log_once,
+        "Forgets which once-only messages this module logged (its own log state, not _native's). For tests.");
   m.def("stats", &stats, "Totals over every live device state: bytes moved, reuse, host memory.");
   m.def("live_device_states", [] { return DeviceState::live().size(); },
         "How many device states are alive (each holds streams, events and a ring).");

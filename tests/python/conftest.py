@@ -72,3 +72,11 @@ def aitk_dirs() -> list[str]:
     """AI_TOOLKIT_DIR may name one checkout, or several separated by os.pathsep."""
     value = os.environ.get("AI_TOOLKIT_DIR", "")
     return [p for p in value.split(os.pathsep) if p]
+
+
+def torchao_codes_and_scale(weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes and scale torchao keeps for a float8 weight: an AffineQuantizedTensor with the Float8Layout
+    (torchao 0.10, AI-Toolkit's pin, to 0.1x) keeps them in its tensor_impl, a Float8Tensor (since) itself."""
+    if hasattr(weight, "tensor_impl"):
+        return weight.tensor_impl.float8_data, weight.tensor_impl.scale
+    return weight.qdata, weight.scale

@@ -55,11 +55,12 @@ class TinyTransformer(torch.nn.Module):
 class LoRA(torch.nn.Module):
     """Adds up(down(x)) * scale to a layer by replacing its forward (kept as org_forward)."""
 
-    def __init__(self, layer: torch.nn.Linear, rank: int, seed: int):
+    def __init__(self, layer: torch.nn.Linear, rank: int, seed: int, dtype: torch.dtype = torch.float32):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.down = torch.nn.Parameter(torch.randn(rank, layer.in_features, generator=g) / math.sqrt(layer.in_features))
-        self.up = torch.nn.Parameter(torch.randn(layer.out_features, rank, generator=g) * 0.01)
+        down = torch.randn(rank, layer.in_features, generator=g) / math.sqrt(layer.in_features)
+        self.down = torch.nn.Parameter(down.to(dtype))
+        self.up = torch.nn.Parameter((torch.randn(layer.out_features, rank, generator=g) * 0.01).to(dtype))
         self.scale = 1.0
         self.org_forward = layer.forward
         layer.forward = self.forward
@@ -68,21 +69,22 @@ class LoRA(torch.nn.Module):
         return self.org_forward(x) + F.linear(F.linear(x, self.down), self.up) * self.scale
 
 
-def apply_lora(model: torch.nn.Module, rank: int = 4) -> list[LoRA]:
+def apply_lora(model: torch.nn.Module, rank: int = 4, dtype: torch.dtype = torch.float32) -> list[LoRA]:
     loras = []
     for i, layer in enumerate(m for m in model.modules() if isinstance(m, torch.nn.Linear)):
-        loras.append(LoRA(layer, rank, seed=1000 + i))
+        loras.append(LoRA(layer, rank, seed=1000 + i, dtype=dtype))
     return loras
 
 
-def train_lora(model, loras, device, steps, sync=lambda: None, seed=10) -> list[float]:
-    """AdamW on the LoRA parameters; `sync` is called where AI-Toolkit's trainer joins gradient copies."""
+def train_lora(model, loras, device, steps, sync=lambda: None, seed=10, dtype=torch.float32) -> list[float]:
+    """AdamW on the LoRA parameters; `sync` is called where AI-Toolkit's trainer joins gradient copies; the
+    inputs are `dtype` (the model's)."""
     opt = torch.optim.AdamW([p for lo in loras for p in lo.parameters()], lr=1e-2)
     g = torch.Generator().manual_seed(seed)
     losses = []
     width = model.norm.normalized_shape[0]
     for _ in range(steps):
-        x = torch.randn(2, 6, width, generator=g).to(device)
+        x = torch.randn(2, 6, width, generator=g).to(device, dtype)
         opt.zero_grad(set_to_none=True)
         loss = model(x).float().pow(2).mean()
         loss.backward()

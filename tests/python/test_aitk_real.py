@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import aitk_dirs
+from conftest import aitk_dirs, torchao_codes_and_scale
 from layerstream import manager_modules as mm
 from layerstream.aitk import load_memory_management
 from models import TinyTransformer, apply_lora, train_lora
@@ -91,23 +91,47 @@ def test_stock_and_layerstream_agree_on_the_same_checkout(device, engine, aitk_d
     assert torch.equal(outputs[0], outputs[1])
 
 
-def _import_ostris(aitk_dir):
-    """AI-Toolkit's own OstrisLinear and its uint4 backend, from the checkout (HEAD has them)."""
+def _import_toolkit(aitk_dir, *names, stand_ins=None):
+    """Modules of the checkout's `toolkit` package, imported unchanged (another checkout's may be loaded);
+    `stand_ins` (name: module) are put in place of modules of it first."""
     import importlib
     import sys
+
+    for name in [n for n in sys.modules if n == "toolkit" or n.startswith("toolkit.")]:
+        del sys.modules[name]
+    sys.modules.update(stand_ins or {})
+    sys.path.insert(0, aitk_dir)
+    try:
+        return [importlib.import_module(name) for name in names]
+    finally:
+        sys.path.remove(aitk_dir)
+
+
+def _import_ostris(aitk_dir):
+    """AI-Toolkit's own OstrisLinear and its uint4 backend, from the checkout (HEAD has them)."""
     from pathlib import Path
 
     if not (Path(aitk_dir) / "toolkit" / "util" / "uintx_quant.py").is_file():
         pytest.skip(f"{aitk_dir}: this AI-Toolkit version has no OstrisLinear uintx backend")
-    for name in [n for n in sys.modules if n == "toolkit" or n.startswith("toolkit.")]:
-        del sys.modules[name]  # another checkout's toolkit may be loaded
-    sys.path.insert(0, aitk_dir)
+    return _import_toolkit(aitk_dir, "toolkit.util.ostris_quant", "toolkit.util.uintx_quant")
+
+
+def _import_quantize(aitk_dir):
+    """AI-Toolkit's own toolkit/util/quantize.py. It imports toolkit.print for one message, which needs
+    accelerate; where accelerate is not installed a stand-in with that one function takes its place."""
+    import importlib.util
+    import types
+
+    for lib in ("optimum.quanto", "torchao", "tqdm", "safetensors", "huggingface_hub"):
+        pytest.importorskip(lib, reason=f"AI-Toolkit's quantize() needs {lib}")
+    stand_ins = {}
+    if importlib.util.find_spec("accelerate") is None:
+        stand_ins["toolkit.print"] = types.ModuleType("toolkit.print")
+        stand_ins["toolkit.print"].print_acc = print
     try:
-        ostris = importlib.import_module("toolkit.util.ostris_quant")
-        uintx = importlib.import_module("toolkit.util.uintx_quant")
-    finally:
-        sys.path.remove(aitk_dir)
-    return ostris, uintx
+        return _import_toolkit(aitk_dir, "toolkit.util.quantize", stand_ins=stand_ins)[0]
+    except ImportError as exc:  # 323b4aaf imports UIntXWeightOnlyConfig, which torchao 0.18 no longer has
+        pytest.skip(f"{aitk_dir}: its toolkit/util/quantize.py does not import here: {exc}")
 
 
 @pytest.mark.parametrize("aitk_dir", DIRS)
@@ -151,3 +175,47 @@ def test_real_ostris_linear_streams_its_buffers_and_computes_like_itself(engine,
     with torch.no_grad():
         lin.requantize_(torch.randn(128, 256))
         assert torch.equal(lin(x), F.linear(x, lin.dequantize_weight().to(device).to(x.dtype), lin.bias.to(device)))
+
+
+@pytest.mark.parametrize("aitk_dir", DIRS)
+def test_real_quantize_float8_streams_as_stored_and_trains_bitwise(engine, device, aitk_dir):
+    """With layer_offloading on, AI-Toolkit turns qtype qfloat8 into torchao float8 (config_modules.py) and
+    quantizes with its own quantize(), as its test_memory_manager.py does: quantize(model, weights=
+    get_qtype("float8")), freeze(model). Every linear takes the quantized path with its codes and scale at
+    their stored size, and a LoRA trains bitwise like the same model computing with torchao's dequantize()
+    (checkpointed: each block's weights are read by the forward, the recomputed forward and the backward)."""
+    q = _import_quantize(aitk_dir)
+    from optimum.quanto import freeze
+
+    def quantized():
+        torch.manual_seed(13)
+        model = TinyTransformer(checkpointing="non_reentrant").to(device, torch.bfloat16)
+        q.quantize(model, weights=q.get_qtype("float8"))
+        freeze(model)
+        return model.requires_grad_(False)
+
+    managed, resident = quantized(), quantized()
+    for lin in (m for m in resident.modules() if isinstance(m, torch.nn.Linear)):
+        lin.weight = torch.nn.Parameter(lin.weight.dequantize(), requires_grad=False)
+    linears = [m for m in managed.modules() if isinstance(m, torch.nn.Linear)]
+    stored = [[t.numel() * t.element_size() for t in torchao_codes_and_scale(m.weight)] for m in linears]
+    package = load_memory_management(aitk_dir, engine="layerstream")
+    random.seed(0)
+    package.MemoryManager.attach(managed, device, offload_percent=1.0)
+    managed.to(device)
+    for lin, (codes, scale) in zip(linears, stored):
+        lmm = lin._layer_memory_manager
+        assert (lmm.path, lmm.stored_as) == ("quantized", "Float8_e4m3fn")
+        bias = 0 if lin.bias is None else lin.bias.numel() * 2
+        assert lmm.packed_bytes == (_align(_align(codes) + scale) + bias if bias else _align(codes) + scale)
+    sync = getattr(package, "sync_grad_transfers", lambda: None)
+    ref_loras = [lo.to(device) for lo in apply_lora(resident, dtype=torch.bfloat16)]
+    loras = [lo.to(device) for lo in apply_lora(managed, dtype=torch.bfloat16)]
+    got = train_lora(managed, loras, device, 3, sync, dtype=torch.bfloat16)
+    assert got == train_lora(resident, ref_loras, device, 3, dtype=torch.bfloat16)
+    for a, b in zip(ref_loras, loras):
+        assert torch.equal(a.up, b.up) and torch.equal(a.down, b.down)
+
+
+def _align(n: int) -> int:
+    return (n + 255) // 256 * 256

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import clear_device_states
+from conftest import clear_device_states, torchao_codes_and_scale
 from layerstream import manager_modules as mm
 from linear_checks import check_forward, check_forward_backward, compressed_reference, start_fuzz
 
@@ -124,22 +124,116 @@ def test_a_weight_in_quantos_marlin_layout_streams_in_its_natural_one(engine, de
         assert torch.equal(g, e), what
 
 
-def test_torchao_float8_weight_only_streams_as_stored(engine, device):
+def _stored_bytes(*tensors) -> list[int]:
+    return [t.numel() * t.element_size() for t in tensors]
+
+
+def _torchao_float8_linear(fin: int, fout: int, dtype: torch.dtype, seed: int, bias: bool = True, **config):
+    """A frozen Linear quantized by torchao's Float8WeightOnlyConfig (what AI-Toolkit's quantize() applies
+    for qtype float8), whichever torchao is installed."""
     quant = pytest.importorskip("torchao.quantization", reason="torchao is not installed")
-    torch.manual_seed(4)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 40)).to(torch.bfloat16)
-    quant.quantize_(model, quant.Float8WeightOnlyConfig())
-    model.requires_grad_(False)
-    layer = model[0].to(device)
-    x = torch.randn(3, 7, 64, dtype=torch.bfloat16, device=device)
-    expected = F.linear(x, layer.weight.dequantize(), layer.bias)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(fin, fout, bias=bias)).to(dtype)
+    quant.quantize_(model, quant.Float8WeightOnlyConfig(**config))
+    return model.requires_grad_(False)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
+def test_torchao_float8_weight_only_streams_as_stored_and_computes_bitwise(engine, device, dtype, fp8):
+    layer = _torchao_float8_linear(64, 40, dtype, seed=4, weight_dtype=getattr(torch, fp8)).to(device)
+    layer.bias.requires_grad_(True)
+    x = torch.randn(3, 7, 64, dtype=dtype, device=device)
+    expected = _forward_backward(lambda t: _reference(layer, t, False), x, layer.bias)
+    codes, scale = torchao_codes_and_scale(layer.weight)
+    scale_shape = scale.shape
+    codes_bytes, scale_bytes, bias_bytes = _stored_bytes(codes, scale, layer.bias)
+
     mm.LinearLayerMemoryManager.attach(layer, Manager(device))
     lmm = layer._layer_memory_manager
-    assert lmm.path == "quantized" and lmm.stored_as == "Float8_e4m3fn"
-    assert lmm.packed_bytes == _align(_align(64 * 40) + 40 * 4) + 40 * 2  # codes, float32 scales, bias
-    assert layer.weight.qdata.device.type == "cpu"
+    assert lmm.path == "quantized"
+    assert lmm.stored_as == {"float8_e4m3fn": "Float8_e4m3fn", "float8_e5m2": "Float8_e5m2"}[fp8]
+    assert lmm.packed_bytes == _align(_align(codes_bytes) + scale_bytes) + bias_bytes
+    # The codes and scale are views of the arena, on the host, in the library's own shapes.
+    codes, scale = torchao_codes_and_scale(layer.weight)
+    assert codes.device.type == "cpu" and scale.device.type == "cpu" and scale.shape == scale_shape
+    if engine == "cuda":
+        assert codes.is_pinned()
+    got = _forward_backward(layer, x, layer.bias)
+    for g, e, what in zip(got, expected, ("output", "grad input", "grad bias")):
+        assert g.device == e.device and torch.equal(g, e), what
+    assert layer.weight.grad is None
+
+
+def test_each_torchao_float8_call_moves_the_codes_and_scale_as_stored(engine, device):
+    """AI-Toolkit's linears have no bias: a call's copy is the codes (one byte a weight) and the scale, as
+    stored, nothing else."""
+    if engine == "cpu":
+        pytest.skip("the CPU process device copies nothing")
+    layers = [_torchao_float8_linear(256, 128 + 64 * i, torch.bfloat16, seed=i, bias=False) for i in range(3)]
+    stored = [sum(_stored_bytes(*torchao_codes_and_scale(l.weight))) for l in layers]
+    for layer in layers:
+        mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    assert [l._layer_memory_manager.packed_bytes for l in layers] == stored
+    x = torch.randn(2, 256, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        for layer, n in zip(layers, stored):
+            before = mm.stats()["bytes_h2d"]
+            layer(x)
+            assert mm.stats()["bytes_h2d"] - before == n
+
+
+def _affine_float8_linear(block_size, scale_dtype=None, seed=5) -> torch.nn.Linear:
+    """A frozen bf16 Linear whose weight is torchao's AffineQuantizedTensor with the Float8Layout (0.10 to
+    0.1x; Float8WeightOnlyConfig makes block_size (1, in), a scale per row in the weight's dtype)."""
+    dtypes = pytest.importorskip("torchao.dtypes", reason="torchao is not installed")
+    if not hasattr(dtypes, "Float8Layout"):
+        pytest.skip("this torchao has no AffineQuantizedTensor float8 layout (torchao 0.10 to 0.1x have it)")
+    torch.manual_seed(seed)
+    layer = torch.nn.Linear(64, 40).to(torch.bfloat16).requires_grad_(False)
+    w = dtypes.to_affine_quantized_floatx(layer.weight, block_size, torch.float8_e4m3fn, dtypes.Float8Layout(),
+                                          scale_dtype=scale_dtype)
+    layer.weight = torch.nn.Parameter(w, requires_grad=False)
+    return layer
+
+
+@pytest.mark.parametrize("grouping", ["per_tensor", "float32_scale_per_row"])
+def test_torchao_affine_float8_groupings_stream_as_stored(engine, device, grouping):
+    layer = _affine_float8_linear((40, 64) if grouping == "per_tensor" else (1, 64),
+                                  torch.float32 if grouping == "float32_scale_per_row" else None).to(device)
+    _, scale = torchao_codes_and_scale(layer.weight)
+    assert scale.numel() == (1 if grouping == "per_tensor" else 40)
+    x = torch.randn(3, 64, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        expected = _reference(layer, x, False)
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    assert layer._layer_memory_manager.path == "quantized"
+    assert layer._layer_memory_manager.packed_bytes == _align(_align(64 * 40) + sum(_stored_bytes(scale))) + 40 * 2
     with torch.no_grad():
         assert torch.equal(layer(x), expected)
+
+
+def test_a_weight_of_a_layout_not_streamed_says_so_once_with_its_type(engine, device, caplog):
+    """Block-wise scales within a row are not on the fused path: the generic path, one INFO line naming the
+    type, its layout and block size (once for every layer of that kind), and the library's own result."""
+    layers = [_affine_float8_linear((1, 32), seed=s) for s in (6, 7)]
+    x = torch.randn(3, 64, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        expected = [_reference(layer.to(device), x, False) for layer in layers]
+    mm._reset_log_once()
+    with caplog.at_level(logging.INFO, logger="layerstream"):
+        for layer in layers:
+            mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    lines = [r for r in caplog.records if "take the generic path" in r.getMessage()]
+    assert [r.levelno for r in lines] == [logging.INFO]
+    assert lines[0].getMessage().startswith(
+        "weights of type torchao.dtypes.affine_quantized_tensor.AffineQuantizedTensor with "
+        "torchao.dtypes.floatx.float8_layout.Float8AQTTensorImpl, block_size (1, 32), dtype torch.bfloat16 take "
+        "the generic path (moved as stored and dequantized by their library at every call, no prefetch)")
+    with torch.no_grad():
+        for layer, e in zip(layers, expected):
+            assert layer._layer_memory_manager.path == "generic"
+            assert torch.equal(layer(x), e)
 
 
 def test_a_trainable_quantized_weight_goes_through_its_library(engine, device, caplog):
