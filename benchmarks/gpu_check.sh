@@ -28,6 +28,7 @@
 #          layerstream under a 24 GiB cap with that cap as layerstream's VRAM budget
 #   lossless  LAYERSTREAM_HOST_DTYPE=lossless: the decoder's bandwidth, FLUX.1 100% streamed and FLUX.2
 #          under a 24 GiB cap, layerstream alone (LAYERSTREAM_LOSSLESS_RUNS picks; about 5 minutes)
+#   pyfiles  the GPU cases (-k cuda) of the test files in LAYERSTREAM_PY_FILES
 #   mem    memory first: FLUX.1 100% streamed stock vs layerstream's default ring; AI-Toolkit's flow (model on the
 #          GPU before attach, an encoder freed, samples, buckets) under 24 GiB: resident, layerstream auto, stock at
 #          0.5, and layerstream auto with 4 GiB taken by the user between steps (LAYERSTREAM_MEM_RUNS picks)
@@ -186,6 +187,17 @@ if want py || want pycuda || want tests; then
     fi
   done
   run demo_cuda layerstream demo --backend cuda
+fi
+
+if want pyfiles; then
+  # The GPU cases (-k cuda) of the test files LAYERSTREAM_PY_FILES names (space-separated, under tests/python).
+  ensure_installed
+  step "pytest -k cuda: ${LAYERSTREAM_PY_FILES:-(none named)}"
+  FILES=()
+  for f in ${LAYERSTREAM_PY_FILES:-}; do FILES+=("$PWD/tests/python/$f"); done
+  run pytest_files bash -c 'cd /tmp && python3 -X faulthandler -m pytest -q -rs --durations=8 -p no:cacheprovider \
+    -k cuda "$@"' _ "${FILES[@]}"
+  grep -E "passed|failed" "$OUT/all.log" | tail -n 1 | sed 's/^/      /' >>"$OUT/summary.txt"
 fi
 
 if want san; then

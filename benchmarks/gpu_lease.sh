@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# For a lent GPU machine whose calls last at most 10 minutes: runs a longer sequence across several calls.
+#   benchmarks/gpu_lease.sh start ITEMS [SECONDS]  starts `gpu_check.sh ITEMS` detached (setsid), its logs in
+#                                                  /tmp/gpu-lease, then waits like `wait`
+#   benchmarks/gpu_lease.sh wait [SECONDS]         waits up to SECONDS (default 560) for it to finish
+# Either way the logs so far go to $OUT (summary.txt, console.log, and results.tgz with all of them), and
+# "lease: running" or "lease: done rc=N" is printed last. Environment for gpu_check.sh (LAYERSTREAM_*) is
+# passed through on start. The machine must be called again within its idle time to keep it (and the job).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DIR=/tmp/gpu-lease
+what=${1:?start ITEMS or wait}
+if [[ $what == start ]]; then
+  rm -rf "$DIR" && mkdir -p "$DIR/out"
+  setsid nohup bash -c "OUT=$DIR/out benchmarks/gpu_check.sh '${2:?items}' >$DIR/console.log 2>&1; echo \$? >$DIR/rc" \
+    </dev/null >/dev/null 2>&1 &
+  shift 2
+else
+  shift 1
+fi
+limit=${1:-560}
+for ((t = 0; t < limit; t += 5)); do
+  [[ -e $DIR/rc ]] && break
+  sleep 5
+done
+mkdir -p "${OUT:?}"
+# At most 8 files come back from a call: the summary, the console, and everything else in one archive.
+cp "$DIR"/console.log "$DIR/out/summary.txt" "$OUT"/ 2>/dev/null
+tar czf "$OUT/results.tgz" -C "$DIR/out" . 2>/dev/null
+tail -n 40 "$DIR/out/summary.txt" 2>/dev/null
+if [[ -e $DIR/rc ]]; then echo "lease: done rc=$(cat "$DIR/rc")"; else echo "lease: running"; fi
