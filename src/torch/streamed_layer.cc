@@ -935,7 +935,7 @@ bool read_before_backward_ends(const at::Tensor& real, const at::Tensor& saved) 
                      real.strides() == saved.strides());
   if (!same) return true;  // not the Parameter the layer holds now (replaced since the forward)
   if (real.grad().defined() || !impl::hooks(real).empty() || impl::post_acc_grad_hooks(real)) return true;
-  const c10::intrusive_ptr<Node> acc = impl::try_get_grad_accumulator(real);
+  const auto acc = impl::try_get_grad_accumulator(real);  // shared_ptr in torch 2.11, intrusive_ptr in 2.13
   if (!acc || !acc->pre_hooks().empty() || !acc->post_hooks().empty() || !acc->tensor_pre_hooks().empty() ||
       !acc->retains_grad_hooks().empty()) {
     return true;
@@ -943,7 +943,7 @@ bool read_before_backward_ends(const at::Tensor& real, const at::Tensor& saved) 
   const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
   if (exec_info != nullptr && !exec_info->empty()) return true;
   // Our own node's post-hooks (a hook on the layer output's grad_fn) see what we return.
-  const c10::intrusive_ptr<Node> running = torch::autograd::get_current_node();
+  const auto running = torch::autograd::get_current_node();
   if (!running || !running->post_hooks().empty()) return true;
   return edges_into(acc.get(), running.get()) != 1;
 }
