@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # For a lent GPU machine whose calls last at most 10 minutes: runs a longer sequence across several calls.
-#   benchmarks/gpu_lease.sh start ITEMS [SECONDS]  starts `gpu_check.sh ITEMS` detached (setsid), its logs in
-#                                                  /tmp/gpu-lease, then waits like `wait`
+#   benchmarks/gpu_lease.sh start ITEMS [SECONDS]  starts `gpu_check.sh ITEMS` detached (setsid; `a,b/c` runs
+#                                                  a,b then c), its logs in /tmp/gpu-lease, then waits like `wait`
 #   benchmarks/gpu_lease.sh wait [SECONDS]         waits up to SECONDS (default 560) for it to finish
 # Either way the logs so far go to $OUT (summary.txt, console.log, and results.tgz with all of them), and
 # "lease: running" or "lease: done rc=N" is printed last. Environment for gpu_check.sh (LAYERSTREAM_*) is
@@ -12,8 +12,9 @@ DIR=/tmp/gpu-lease
 what=${1:?start ITEMS or wait}
 if [[ $what == start ]]; then
   rm -rf "$DIR" && mkdir -p "$DIR/out"
-  setsid nohup bash -c "OUT=$DIR/out benchmarks/gpu_check.sh '${2:?items}' >$DIR/console.log 2>&1; echo \$? >$DIR/rc" \
-    </dev/null >/dev/null 2>&1 &
+  # ITEMS: gpu_check items, comma-separated; groups separated by '/' run one after another in that order.
+  setsid nohup bash -c 'rc=0; IFS=/; for group in $1; do OUT=$2/out benchmarks/gpu_check.sh "$group" || rc=1; done
+    echo $rc >$2/rc' _ "${2:?items}" "$DIR" </dev/null >"$DIR/console.log" 2>&1 &
   shift 2
 else
   shift 1
