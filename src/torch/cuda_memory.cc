@@ -66,20 +66,25 @@ void start_window(DeviceState& state) {
   w.on = true;
 }
 
-// Free memory an allocation could still get on `index`: the driver's free memory, and under a memory
-// fraction what is left of it beside what torch holds. Sets `limit` to what the process may hold in all.
+// Free memory an allocation could still get on `index`: the driver's free memory plus what torch caches
+// unused (its allocator frees its cache and asks the driver again before it raises out of memory), and under
+// a memory fraction what is left of the fraction beside what torch has handed out. Sets `limit` to what the
+// process may hold in all. (Seen on the H200, 2026-12-01: counting the cache as used, the 31 GiB AI-Toolkit's
+// flow leaves cached before training (the model placed on the GPU before attach, a text encoder) looked like
+// no room at all under a 24 GiB cap, and resident layers were given back at every new bucket.)
 std::size_t free_for_allocation(c10::DeviceIndex index, std::size_t* limit) {
   std::size_t free_bytes = 0, total = 0;
   if (cudaMemGetInfo(&free_bytes, &total) != cudaSuccess) {
     (void)cudaGetLastError();
     return std::numeric_limits<std::size_t>::max();  // unknown: no pressure is assumed
   }
-  const auto reserved = static_cast<std::size_t>(alloc::getDeviceStats(index).reserved_bytes[kAggregate].current);
+  const auto stats = alloc::getDeviceStats(index);
+  const auto reserved = static_cast<std::size_t>(stats.reserved_bytes[kAggregate].current);
+  const auto in_use = std::min(reserved, static_cast<std::size_t>(stats.allocated_bytes[kAggregate].current));
   const double fraction = alloc::getMemoryFraction(index);
   const auto allowed = static_cast<std::size_t>(std::min(1.0, fraction) * static_cast<double>(total));
-  const std::size_t held_room = allowed > reserved ? allowed - reserved : 0;
   if (limit != nullptr) *limit = std::min(free_bytes + reserved, allowed);
-  return std::min(free_bytes, held_room);
+  return std::min(free_bytes + (reserved - in_use), allowed > in_use ? allowed - in_use : 0);
 }
 
 DeviceMemoryView cuda_memory_view(DeviceState& state, const VramBudget& budget) {

@@ -195,6 +195,13 @@ std::size_t DeviceState::ring_bytes_for(std::size_t layer_bytes) const {
 }
 
 TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
+  // The ring could not be had at the last call: its message says to lower LAYERSTREAM_RING_MB and call again,
+  // so the settings are read again first (outside mu_: a warning may go to a Python log sink).
+  if (ring_build_failed_.exchange(false)) {
+    Settings::refresh();
+    std::lock_guard<std::mutex> lock(mu_);
+    ring_fixed_ = Settings::current()->ring_bytes.has_value();
+  }
   std::lock_guard<std::mutex> lock(mu_);
   // The budget's plan chose another ring: rebuild now if no layer is in use (between two layer calls),
   // else at a later call.
@@ -254,6 +261,7 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
   try {
     engine_ = std::make_unique<TransferEngine>(*pool_->backend, options);
   } catch (const OutOfDeviceMemory& e) {
+    ring_build_failed_ = true;
     throw OutOfDeviceMemory(detail::concat(
         "layerstream could not allocate its device ring of ", options.ring_bytes / kMiB, " MiB on ", describe(),
         " (LAYERSTREAM_RING_MB; by default ", kMinRingLayers, " of the largest layer on a GPU, its dequantized "

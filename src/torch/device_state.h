@@ -236,6 +236,7 @@ class DeviceState {
   // The ring the budget's plan chose (0: none pending), built at the next call with no layer in use; the
   // host blocks of the layers it keeps resident, made resident as they register with the new engine.
   bool ring_fixed_ = false;  // LAYERSTREAM_RING_MB given: the plan keeps the ring as it is
+  std::atomic<bool> ring_build_failed_{false};  // the last ring could not be allocated: read the settings again
   std::size_t planned_ring_bytes_ = 0;
   bool keep_plan_ = false;   // the next rebuild is the plan's own: it is not planned again
   bool shrink_pending_ = false;  // the pending rebuild is memory pressure's (back to the least ring): plan again

@@ -17,8 +17,9 @@ from layerstream import manager_modules as mm
 
 REPO = Path(__file__).resolve().parents[2]
 MIB_RANGE = "MiB up to 1073741824 (1 PiB)"
-BUDGET = ("is not understood; give 'auto' (free device memory minus a headroom) or a size from 1MiB to 1PiB such "
-          "as 24GiB, 24GB, 20000MiB or a number of bytes")
+BUDGET = ("is not understood; give 'min' (the default: the least device memory, no layer kept), 'auto' (free device "
+          "memory minus a headroom, given back when the process needs it) or a size from 1MiB to 1PiB such as 24GiB, "
+          "24GB, 20000MiB or a number of bytes")
 SWITCH = "is not a switch: give 1, true, on or yes, or 0, false, off or no; unset it or give e.g."
 
 
@@ -158,6 +159,7 @@ def test_only_unknown_names_are_warned_about(tmp_path):
     code = "import torch\nfrom layerstream import manager_modules as mm\nprint(sorted(mm.settings()))"
     env = dict(os.environ, **{name: "1" for name in tools}, LAYERSTREAM_VRAM_BUDGE="24GiB",
                LAYERSTREAM_QQQ_ZZZ_UNRELATED="1")
+    env["LAYERSTREAM_LOG"] = "warning"  # the Python package's own setting: "1" is not one of its values
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -209,7 +211,8 @@ def test_prefetch_is_a_switch_in_every_spelling(fresh, monkeypatch, off):
     def prefetches():
         clear_device_states()
         torch.manual_seed(1)
-        layers = [torch.nn.Linear(256, 256) for _ in range(6)]  # 256 KiB each: the 1 MiB ring holds few
+        # 256 KiB each: the 1 MiB ring holds few. Frozen: trainable layers are never copied ahead of need.
+        layers = [torch.nn.Linear(256, 256).requires_grad_(False) for _ in range(6)]
         for layer in layers:
             mm.LinearLayerMemoryManager.attach(layer, Manager("cpu"))
         with torch.no_grad():

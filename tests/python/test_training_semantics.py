@@ -162,6 +162,9 @@ class Reuse(torch.nn.Module):
 
 @pytest.mark.parametrize("how", ["twice", "tied", "unmanaged_too"])
 def test_several_uses_of_one_parameter_in_one_graph(engine, device, how):
+    if how == "unmanaged_too" and engine == "cuda":
+        pytest.skip("on CUDA a managed weight lives on the host: an operation outside the layer cannot use it with "
+                    "device inputs (nor with the stock manager)")
     torch.manual_seed(5)
     reference, managed = twins(Reuse(how), device)
     for _ in range(2):

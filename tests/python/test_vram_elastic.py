@@ -201,6 +201,7 @@ def test_resident_layers_give_memory_back_to_a_torch_allocation_on_the_gpu(engin
     allocates gets their memory (torch's allocator runs layerstream's free-memory callback) instead of an
     out-of-memory error, the budget plans again, and the losses stay the all-resident run's."""
     _gpu_or_skip(engine)
+    device = torch.device("cuda", torch.cuda.current_device())  # the memory fraction wants an index
     monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "auto")
     torch.cuda.empty_cache()
     base = TinyTransformer(d=1024, ff=4096, layers=8, checkpointing="non_reentrant").requires_grad_(False)
