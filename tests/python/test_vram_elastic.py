@@ -22,13 +22,18 @@ from models import TinyTransformer, apply_lora
 MiB = 1 << 20
 
 
-def _train(model, loras, device, lengths, between=lambda step: None):
-    """LoRA steps over the sequence lengths given (a run of several buckets); returns the losses."""
-    opt = torch.optim.AdamW([p for lo in loras for p in lo.parameters()], lr=1e-2)
-    g = torch.Generator().manual_seed(21)
+def _inputs(lengths, d=256, seed=21):
+    """A batch of 2 for each sequence length given (a run of several buckets), on the host."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, tokens, d, generator=g) for tokens in lengths]
+
+
+def _train(model, loras, device, xs, between=lambda step: None, lr=1e-2):
+    """LoRA steps, one per input of `xs`, with between(step) after each; returns the losses."""
+    opt = torch.optim.AdamW([p for lo in loras for p in lo.parameters()], lr=lr)
     losses = []
-    for step, tokens in enumerate(lengths):
-        x = torch.randn(2, tokens, 256, generator=g).to(device)
+    for step, x in enumerate(xs):
+        x = x.to(device)
         opt.zero_grad(set_to_none=True)
         loss = model(x).float().pow(2).mean()
         loss.backward()
@@ -50,6 +55,7 @@ def _linear_bytes(model) -> int:
 
 
 LENGTHS = [6, 6, 6, 10, 6, 10, 6, 6, 10, 6, 6, 6]
+STEPS = _inputs(LENGTHS)
 
 
 def test_resident_layers_give_memory_back_to_an_allocation_that_needs_it_and_the_budget_plans_again(
@@ -67,7 +73,7 @@ def test_resident_layers_give_memory_back_to_an_allocation_that_needs_it_and_the
     monkeypatch.setenv("LAYERSTREAM_RING_MB", "2")
     base = _base()
     resident = copy.deepcopy(base)
-    ref = _train(resident, apply_lora(resident), device, LENGTHS)
+    ref = _train(resident, apply_lora(resident), device, STEPS)
 
     managed = copy.deepcopy(base)
     ContractManager.attach(mm, managed, device).to_device()
@@ -85,7 +91,7 @@ def test_resident_layers_give_memory_back_to_an_allocation_that_needs_it_and_the
             state._sim_device_free(held.pop())
 
     with caplog.at_level(logging.INFO, logger="layerstream"):
-        losses = _train(managed, apply_lora(managed), device, LENGTHS, between)
+        losses = _train(managed, apply_lora(managed), device, STEPS, between)
     assert losses == ref
     after_yield = seen[4]
     assert after_yield["pressure_yields"] == 1
@@ -113,7 +119,7 @@ def test_without_a_budget_an_allocation_that_does_not_fit_still_fails_and_nothin
     monkeypatch.setenv("LAYERSTREAM_RING_MB", "2")
     base = _base()
     resident = copy.deepcopy(base)
-    ref = _train(resident, apply_lora(resident), device, LENGTHS[:4])
+    ref = _train(resident, apply_lora(resident), device, STEPS[:4])
     managed = copy.deepcopy(base)
     ContractManager.attach(mm, managed, device).to_device()
     state = mm._DEVICE_STATE[device]
@@ -123,7 +129,7 @@ def test_without_a_budget_an_allocation_that_does_not_fit_still_fails_and_nothin
             with pytest.raises(RuntimeError, match="out of memory on the simulated device: 11534336 bytes"):
                 state._sim_device_alloc(11 * MiB)
 
-    assert _train(managed, apply_lora(managed), device, LENGTHS[:4], between) == ref
+    assert _train(managed, apply_lora(managed), device, STEPS[:4], between) == ref
     stats = state.stats()
     assert stats["pressure_yields"] == 0 and stats["resident_bytes"] == 0 and stats["vram_budget_planned"] == 0
 
@@ -141,7 +147,7 @@ def test_vram_budget_min_is_the_default_said_explicitly(engine, device, monkeypa
             monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", setting)
         managed = copy.deepcopy(base)
         ContractManager.attach(mm, managed, device).to_device()
-        _train(managed, apply_lora(managed), device, LENGTHS[:3])
+        _train(managed, apply_lora(managed), device, STEPS[:3])
         stats = mm._DEVICE_STATE[device].stats()
         moved[setting] = (stats["ring_bytes"], stats["bytes_h2d"], stats["resident_bytes"], stats["vram_budget_planned"])
     assert moved[None] == moved["min"]
@@ -177,7 +183,7 @@ def test_an_earlier_peak_on_the_gpu_does_not_shrink_the_budget(engine, device, m
     monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "auto")
     base = _base()
     resident = copy.deepcopy(base).to(device)
-    ref = _train(resident, [lo.to(device) for lo in apply_lora(resident)], device, LENGTHS[:6])
+    ref = _train(resident, [lo.to(device) for lo in apply_lora(resident)], device, STEPS[:6])
     plans = {}
     for earlier in (0, 2048):
         clear_device_states()
@@ -187,7 +193,7 @@ def test_an_earlier_peak_on_the_gpu_does_not_shrink_the_budget(engine, device, m
             del encoder  # freed, but torch's peak (and its cache) remember it
         ContractManager.attach(mm, managed, device).to_device()
         with caplog.at_level(logging.INFO, logger="layerstream"):
-            losses = _train(managed, [lo.to(device) for lo in apply_lora(managed)], device, LENGTHS[:6])
+            losses = _train(managed, [lo.to(device) for lo in apply_lora(managed)], device, STEPS[:6])
         assert losses == ref
         stats = mm._DEVICE_STATE[device].stats()
         plans[earlier] = (stats["vram_budget_planned"], stats["resident_bytes"])
@@ -207,22 +213,10 @@ def test_resident_layers_give_memory_back_to_a_torch_allocation_on_the_gpu(engin
     base = TinyTransformer(d=1024, ff=4096, layers=8, checkpointing="non_reentrant").requires_grad_(False)
     weights = _linear_bytes(base)
     resident = copy.deepcopy(base).to(device)
-    g = torch.Generator().manual_seed(3)
-    xs = [torch.randn(2, 64, 1024, generator=g) for _ in range(8)]
+    xs = _inputs([64] * 8, d=1024, seed=3)
 
     def run(model, between=lambda step: None):
-        loras = [lo.to(device) for lo in apply_lora(model)]
-        opt = torch.optim.AdamW([p for lo in loras for p in lo.parameters()], lr=1e-3)
-        out = []
-        for step, x in enumerate(xs):
-            opt.zero_grad(set_to_none=True)
-            loss = model(x.to(device)).float().pow(2).mean()
-            loss.backward()
-            mm.sync_grad_transfers()
-            opt.step()
-            out.append(loss.item())
-            between(step)
-        return out
+        return _train(model, [lo.to(device) for lo in apply_lora(model)], device, xs, between, lr=1e-3)
 
     ref = run(resident)
     del resident
