@@ -359,9 +359,8 @@ void DeviceState::start_peak_window_locked() {
 DeviceMemoryView DeviceState::memory_view() {
   DeviceMemoryView view;
   if (mode_ == Mode::kSim) {
-    // The simulated card: its capacity (or the budget), and what is allocated on it now (the ring).
-    const auto [free_bytes, total] = pool_->backend->device_memory_info();
-    (void)free_bytes;
+    // The simulated card: its capacity (or the budget), and the most allocated on it since the window's start.
+    const std::size_t total = pool_->backend->device_memory_info().second;
     view.limit = vram_budget_.automatic ? total : vram_budget_.bytes;
     view.peak = static_cast<SimBackend&>(*pool_->backend).device_peak_bytes();  // since the window's start
   } else if (memory_resolver()) {

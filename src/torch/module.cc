@@ -70,6 +70,13 @@ struct DeviceStateHandle {
   std::shared_ptr<DeviceState> state;
 };
 
+// The simulator behind a device state, for the test hooks (`what`: the hook's name, for the message).
+SimBackend& simulator_of(DeviceStateHandle& h, const char* what) {
+  auto* sim = dynamic_cast<SimBackend*>(&h.state->backend());
+  LS_CHECK_ARG(sim != nullptr, what, ": this device state does not run on the simulator (LAYERSTREAM_BACKEND=sim)");
+  return *sim;
+}
+
 py::dict& device_state_dict() {
   static py::dict* d = nullptr;
   if (d == nullptr) d = new py::dict();  // lives as long as the interpreter (module attribute too)
@@ -824,21 +831,13 @@ PYBIND11_MODULE(manager_modules, m) {
       .def("stats", [](DeviceStateHandle& h) { return stats_dict(h.state->stats()); },
            "This device's counters: bytes moved, reuse, host memory, leases outstanding.")
       .def("_sim_fail_next_copies",
-           [](DeviceStateHandle& h, int count) {
-             auto* sim = dynamic_cast<SimBackend*>(&h.state->backend());
-             LS_CHECK_ARG(sim != nullptr, "_sim_fail_next_copies: this device state does not run on the simulator "
-                          "(LAYERSTREAM_BACKEND=sim)");
-             sim->fail_next_h2d_copies(count);
-           },
+           [](DeviceStateHandle& h, int count) { simulator_of(h, "_sim_fail_next_copies").fail_next_h2d_copies(count); },
            py::arg("count"),
            "Simulator only: the next `count` host-to-device copies fail to be issued (as a failed CUDA call "
            "would). For tests.")
       .def("_sim_device_alloc",
            [](DeviceStateHandle& h, std::size_t bytes) {
-             auto* sim = dynamic_cast<SimBackend*>(&h.state->backend());
-             LS_CHECK_ARG(sim != nullptr, "_sim_device_alloc: this device state does not run on the simulator "
-                          "(LAYERSTREAM_BACKEND=sim)");
-             void* p = sim->device_alloc(bytes);
+             void* p = simulator_of(h, "_sim_device_alloc").device_alloc(bytes);
              LS_CHECK(p != nullptr, "out of memory on the simulated device: ", bytes, " bytes did not fit");
              return reinterpret_cast<std::uintptr_t>(p);
            },
@@ -847,9 +846,7 @@ PYBIND11_MODULE(manager_modules, m) {
            "(memory pressure gives resident layers back first); returns a handle for _sim_device_free. For tests.")
       .def("_sim_device_free",
            [](DeviceStateHandle& h, std::uintptr_t handle) {
-             auto* sim = dynamic_cast<SimBackend*>(&h.state->backend());
-             LS_CHECK_ARG(sim != nullptr, "_sim_device_free: this device state does not run on the simulator");
-             sim->device_free(reinterpret_cast<void*>(handle));
+             simulator_of(h, "_sim_device_free").device_free(reinterpret_cast<void*>(handle));
            },
            py::arg("handle"), "Simulator only: frees what _sim_device_alloc took. For tests.")
       .def("__repr__", [](const DeviceStateHandle& h) { return "<layerstream DeviceState " + h.state->describe() + ">"; });
