@@ -460,7 +460,7 @@ if want lossless && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
 fi
 
 if want mem; then
-  # Memory first (issue 20). LAYERSTREAM_MEM_RUNS picks among min, flow, stockflow, pressure (default: all);
+  # Memory first (issue 20). LAYERSTREAM_MEM_RUNS picks among min, flow, stockflow, pressure, flow2 (default: all but flow2);
   # about 2, 2.5, 1.5 and 1.5 minutes.
   ensure_installed
   MRUNS=",${LAYERSTREAM_MEM_RUNS:-min,flow,stockflow,pressure},"
@@ -483,6 +483,12 @@ if want mem; then
     step "AI-Toolkit's flow under a 24 GiB cap, layerstream auto, the user takes 4 GiB before step 4 for 2 steps"
     flux mem_flux1_pressure LAYERSTREAM_VRAM_BUDGET=auto "${FLOW[@]}" --mode layerstream --user-alloc-gb 4
     grep -E "found no room|VRAM budget on" "$OUT/all.log" | tail -n 6 | sed 's/^/      /' >>"$OUT/summary.txt"
+  fi
+  if [[ $MRUNS == *,flow2,* ]]; then
+    step "AI-Toolkit's flow under a 24 GiB cap, FLUX.2-shaped: layerstream auto"
+    flux mem_flux2_flow LAYERSTREAM_VRAM_BUDGET=auto --preset flux2 --aitk-flow --vram-cap-gb 24 --warmup 2 --steps 4 \
+      --mode layerstream
+    grep -E "VRAM budget on" "$OUT/all.log" | tail -n 2 | sed 's/^/      /' >>"$OUT/summary.txt"
   fi
 fi
 
