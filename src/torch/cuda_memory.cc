@@ -53,9 +53,14 @@ void on_trace(const alloc::TraceEntry& entry) {
   }
 }
 
+void on_out_of_memory(int64_t device, size_t alloc, size_t allowed, size_t free);  // below
+
 void start_window(DeviceState& state) {
   static std::once_flag attached;
-  std::call_once(attached, [] { alloc::attachAllocatorTraceTracker(&on_trace); });
+  std::call_once(attached, [] {
+    alloc::attachAllocatorTraceTracker(&on_trace);
+    alloc::attachOutOfMemoryObserver(&on_out_of_memory);
+  });
   const c10::DeviceIndex index = state.device().index();
   if (index < 0 || index >= kMostDevices) return;
   PeakWindow& w = windows()[index];
@@ -105,10 +110,13 @@ DeviceMemoryView cuda_memory_view(DeviceState& state, const VramBudget& budget) 
 }
 
 // torch's allocator runs this when no cached block fits an allocation, before it asks the driver (and
-// before it frees its cache and tries again, then raises out of memory). It runs at every such miss, also
-// when the driver has room, so it gives memory back only when the device is short of it: below the
-// headroom the budget's plan left. What it frees goes to the allocator's cache, which the allocator
-// releases to the driver before its last try.
+// before it frees its cache and tries again, then raises out of memory). It is not told the allocation's
+// size and runs at every such miss, also when the driver has room. Inside a training step the plan knows
+// the step's peak, so memory is given back only when the device is short of it (below half the headroom
+// the plan left). Between steps the plan knows nothing of what is asked (the optimizer's first states, a
+// sample, a text encoder, the user's tensors; torch's cache is warm there once the first steps are over),
+// so every resident layer is given back, and the next plan measures the step again. What it frees goes to
+// the allocator's cache, which the allocator releases to the driver before its last try.
 class YieldToPressure : public c10::FreeMemoryCallback {
  public:
   bool Execute() override {
@@ -120,15 +128,29 @@ class YieldToPressure : public c10::FreeMemoryCallback {
       if (state->mode() != Mode::kCuda || state->device().index() != index) continue;
       const std::size_t threshold = state->pressure_threshold();
       if (threshold == 0) continue;  // nothing resident by a plan
-      if (!measured) {
+      const bool between_steps = !state->in_training_step();
+      if (!between_steps && !measured) {
         room = free_for_allocation(index, nullptr);
         measured = true;
       }
-      if (room < threshold) freed = state->yield_for_pressure(std::numeric_limits<std::size_t>::max()) || freed;
+      if (between_steps || room < threshold) {
+        freed = state->yield_for_pressure(std::numeric_limits<std::size_t>::max(), between_steps) || freed;
+      }
     }
     return freed;
   }
 };
+
+// An allocation that failed all the same (inside a step, larger than the room the plan left): the resident
+// layers are given back now, so that the caller's next try finds their memory (AI-Toolkit's trainer catches
+// an out-of-memory error in a step, empties the cache and goes on with the next step).
+void on_out_of_memory(int64_t device, size_t /*alloc*/, size_t /*allowed*/, size_t /*free*/) {
+  for (const auto& state : DeviceState::live()) {
+    if (state->mode() != Mode::kCuda || state->device().index() != device) continue;
+    if (state->pressure_threshold() == 0) continue;
+    (void)state->yield_for_pressure(std::numeric_limits<std::size_t>::max());
+  }
+}
 
 }  // namespace
 

@@ -3,6 +3,8 @@
 #include "layerstream/residency_plan.h"
 
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -149,7 +151,7 @@ std::shared_ptr<DeviceState> DeviceState::create(const c10::Device& device, Mode
     std::weak_ptr<DeviceState> weak = state;
     static_cast<SimBackend&>(state->backend()).set_memory_pressure_hook([weak](std::size_t bytes) {
       auto s = weak.lock();
-      return s && s->yield_for_pressure(bytes);
+      return s && s->yield_for_pressure(bytes, !s->in_training_step());
     });
   }
   std::lock_guard<std::mutex> lock(registry_mutex());
@@ -285,6 +287,9 @@ GradForwardScope::~GradForwardScope() { grad_forward = previous_; }
 bool GradForwardScope::active() { return grad_forward; }
 
 void DeviceState::note_use(LayerId layer, bool fresh_each_use) {
+  // A forward with grad enabled starts (or continues) a training step; a pass without grad (a sample, a
+  // frozen teacher inside a step) leaves the flag as it is.
+  if (at::GradMode::is_enabled() || GradForwardScope::active()) in_step_ = true;
   const UseOutcome outcome = observe_and_prefetch(layer, fresh_each_use);
   if (!outcome.prefetch_error.empty()) {
     log_once("prefetch-failed", LogLevel::kWarning,
@@ -309,7 +314,7 @@ void DeviceState::note_use(LayerId layer, bool fresh_each_use) {
   if (!report.empty()) log(view.limit == 0 ? LogLevel::kWarning : LogLevel::kInfo, report);
 }
 
-bool DeviceState::yield_for_pressure(std::size_t want) {
+bool DeviceState::yield_for_pressure(std::size_t want, bool between_steps) {
   std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
   if (!lock.owns_lock() || !engine_) return false;
   const std::size_t freed = engine_->yield_resident(want);
@@ -317,8 +322,22 @@ bool DeviceState::yield_for_pressure(std::size_t want) {
   ++pressure_yields_;
   pressure_yielded_bytes_ += freed;
   pressure_threshold_ = 0;  // until the next plan: nothing more to give back
+  // A yield inside a step says the plan left too little; one between steps says nothing about the plan.
+  if (!pressure_pending_ || !between_steps) pressure_between_steps_ = between_steps;
   pressure_pending_ = true;
   return true;
+}
+
+void DeviceState::note_backward_pass() {
+  const int task = torch::autograd::get_current_graph_task_id();
+  if (task < 0 || step_task_.exchange(task) == task) return;
+  std::weak_ptr<DeviceState> weak = weak_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+    if (auto state = weak.lock()) {
+      state->in_step_ = false;
+      state->step_task_ = -1;
+    }
+  });
 }
 
 std::string DeviceState::replan_after_pressure_locked() {
@@ -327,9 +346,11 @@ std::string DeviceState::replan_after_pressure_locked() {
                                            pressure_yielded_bytes_.load() / kMiB, " MiB over ", pressure_yields_.load(),
                                            " time(s) so far); they stream now");
   if (!vram_budget_.enabled) return given;
-  // Plan again from the next training steps, whose peak now includes what asked for the memory; with more
-  // headroom each time, so that a process whose peak keeps growing does not yield at every step.
-  headroom_permille_ = std::min<std::size_t>(headroom_permille_ * 2, 250);
+  // Plan again from the next training steps, whose peak now includes what asked for the memory (when it is
+  // still held); after a yield inside a step with more headroom each time, so that a process whose peak
+  // keeps growing does not yield at every step. A yield between steps (a sample, the user's tensors) keeps
+  // the headroom: the next plan measures the step again.
+  if (!pressure_between_steps_.exchange(false)) headroom_permille_ = std::min<std::size_t>(headroom_permille_ * 2, 250);
   budget_planned_ = false;
   budget_recording_ = false;
   planned_resident_.clear();
@@ -462,7 +483,8 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
   if (view.limit == 0) return "LAYERSTREAM_VRAM_BUDGET is set but nothing reports device memory here; ignored";
   // 5% at first (allocator fragmentation, a longer prompt), more after each yield to memory pressure.
   const std::size_t headroom = view.limit / 1000 * headroom_permille_;
-  pressure_threshold_ = headroom;
+  // The plan's peak leaves `headroom` free: a miss there is the plan working, not pressure.
+  pressure_threshold_ = headroom / 2;
   const std::size_t ring = engine_->ring_capacity();
   // The ring and the resident copies share what the process may hold beyond its peak without the ring.
   const std::size_t others = view.peak > ring ? view.peak - ring : 0;

@@ -111,7 +111,7 @@ class GradForwardScope {
   bool previous_;
 };
 
-class DeviceState {
+class DeviceState : public std::enable_shared_from_this<DeviceState> {
  public:
   static std::shared_ptr<DeviceState> create(const c10::Device& device, Mode mode);
   ~DeviceState();
@@ -167,10 +167,21 @@ class DeviceState {
   // with more headroom (the device ring, when the plan grew it, shrinks back at the next call with no
   // layer in use). Never waits for the state's lock: returns false when it is taken (the caller is
   // layerstream itself, allocating) or when nothing was given back.
-  bool yield_for_pressure(std::size_t want);
-  // The free device memory under which a cache miss of torch's allocator counts as pressure: the headroom
-  // the budget's last plan left (0 before a plan: nothing to give back).
+  // `between_steps`: the yield was not the plan's fault (an allocation between training steps), so the next
+  // plan keeps its headroom.
+  bool yield_for_pressure(std::size_t want, bool between_steps = false);
+  // The free device memory under which a cache miss of torch's allocator inside a training step counts as
+  // pressure: half the headroom the budget's last plan left (the plan expects the step's peak to leave all
+  // of it free, so a miss at the planned peak is not pressure); 0 before a plan: nothing to give back.
   std::size_t pressure_threshold() const { return pressure_threshold_.load(); }
+  // Whether a training step is under way: from a layer's use in a forward with grad enabled to the end of
+  // the backward pass that follows (note_backward_pass). Between steps (the optimizer, samples, a text
+  // encoder, the user's own tensors) the budget's plan knows nothing of what the process allocates, so a
+  // cache miss of torch's allocator there gives every resident layer back (the allocation's size is not
+  // known to the allocator's callbacks), and the plan is made again without more headroom.
+  bool in_training_step() const { return in_step_.load(); }
+  // Called by a layer's backward: queues, once per backward pass (autograd graph task), the end of the step.
+  void note_backward_pass();
 
   // The stream consumers release on: torch's current stream (CUDA) or the host's proxy stream (sim).
   StreamHandle consumer_stream();
@@ -245,6 +256,9 @@ class DeviceState {
   std::atomic<std::uint64_t> pressure_yields_{0};
   std::atomic<std::uint64_t> pressure_yielded_bytes_{0};
   std::atomic<std::size_t> pressure_threshold_{0};
+  std::atomic<bool> pressure_between_steps_{false};  // the pending yield came from between two steps
+  std::atomic<bool> in_step_{false};                 // in_training_step()
+  std::atomic<int> step_task_{-1};                   // the graph task whose end-of-step callback is queued
   std::size_t headroom_permille_ = 50;  // the plan's headroom; doubles (up to a quarter) after each yield
   std::unordered_set<const void*> planned_resident_;
   std::unordered_set<LayerId> fresh_each_use_;  // note_use(): layers never copied ahead of need

@@ -1025,6 +1025,7 @@ std::array<at::Tensor, 3> StreamedLayer::compute_backward(const at::Tensor& grad
   std::optional<c10::cuda::CUDAGuard> guard;
   if (state_->mode() == Mode::kCuda) guard.emplace(state_->device().index());
 #endif
+  state_->note_backward_pass();  // the training step ends with this backward pass
   const bool need_x = needs[0], need_w = needs[1] && weight.defined(), need_b = needs[2] && bias.defined();
   if (!need_x && !need_w && !need_b) return {};
   const auto dtype = grad_out.scalar_type();
