@@ -15,6 +15,7 @@
 #include <mutex>
 
 #include "device_state.h"
+#include "layerstream/vram_budget.h"
 
 namespace layerstream::torchglue {
 namespace {
@@ -133,7 +134,7 @@ class YieldToPressure : public c10::FreeMemoryCallback {
         room = free_for_allocation(index, nullptr);
         measured = true;
       }
-      if (between_steps || room < threshold) {
+      if (BudgetHeadroom::is_pressure(threshold, between_steps, room)) {
         freed = state->yield_for_pressure(std::numeric_limits<std::size_t>::max(), between_steps) || freed;
       }
     }

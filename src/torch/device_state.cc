@@ -1,6 +1,6 @@
 #include "device_state.h"
 #include "host_share.h"
-#include "layerstream/residency_plan.h"
+#include "layerstream/vram_budget.h"
 
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/engine.h>
@@ -27,12 +27,7 @@ namespace layerstream::torchglue {
 namespace {
 
 constexpr std::size_t kMiB = std::size_t{1} << 20;
-// The least ring on a GPU, in layers of the largest size attached: the stock manager keeps its last four
-// forward weights (and four backward ones) on the device; this ring holds about as much.
-constexpr std::size_t kMinRingLayers = 4;
 
-// A layer's room in the ring: its bytes rounded up to the ring's 256-byte alignment.
-std::size_t ring_unit(std::size_t layer_bytes) { return (layer_bytes + 255) / 256 * 256; }
 
 std::mutex& registry_mutex() {
   static std::mutex m;
@@ -177,23 +172,14 @@ std::vector<std::shared_ptr<DeviceState>> DeviceState::live() {
 }
 
 std::size_t DeviceState::ring_floor() const {
-  if (mode_ != Mode::kCuda) return 0;
-  // "min", also the first step of a VRAM budget's run: sized from the layers, not from the device. A deeper
-  // ring was faster (FLUX.1 100% streamed on the H200, 2026-11-30: 512 MiB 0.99 s/step, 3 GiB 0.86) but
-  // held 2.3 GB more than the stock manager at the same settings, where people offload because memory is
-  // short. The VRAM budget (auto) deepens it where the device has room, and gives that room back.
-  return std::min(kMinRingLayers * ring_unit(largest_attached_.load()), ring_unit(attached_device_bytes_.load()));
+  // The stock manager keeps its last four forward weights (and four backward ones) on the device; the
+  // least ring holds about as much (vram_budget.h). The VRAM budget (auto) deepens it where there is room.
+  return mode_ == Mode::kCuda ? least_ring_bytes(largest_attached_.load(), attached_device_bytes_.load()) : 0;
 }
 
 std::size_t DeviceState::ring_bytes_for(std::size_t layer_bytes) const {
-  const std::size_t aligned = ring_unit(layer_bytes);
-  // Three of the largest layer guarantee room for the next one wherever the held one sits, with
-  // headroom for reuse; on a GPU at least ring_floor().
-  const std::size_t wanted = Settings::current()->ring_bytes.value_or(std::max(3 * aligned, ring_floor()));
-  LS_CHECK_ARG(wanted >= aligned, "LAYERSTREAM_RING_MB is ", wanted / kMiB,
-               " MiB, smaller than a layer of ", layer_bytes, " bytes; raise it to at least ",
-               (aligned + kMiB - 1) / kMiB, " MiB (3x that is better)");
-  return wanted;
+  const std::optional<std::size_t>& fixed = Settings::current()->ring_bytes;
+  return layerstream::ring_bytes_for(layer_bytes, ring_floor(), fixed ? &*fixed : nullptr);
 }
 
 TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
@@ -213,7 +199,7 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
   // sit beside the previous one and the next (seen: FLUX.2's 680 MB layers in a ring sized for the
   // 450 MB ones before them copied on demand, the GPU waiting 1.5 s per step). A ring that
   // LAYERSTREAM_RING_MB fixes grows only to hold the layer at all.
-  const std::size_t wanted = ring_fixed_ ? layer_bytes : 3 * ring_unit(layer_bytes);
+  const std::size_t wanted = ring_fixed_ ? layer_bytes : 3 * ring_footprint(layer_bytes);
   if (engine_ && engine_->ring_capacity() >= wanted && !replan) return *engine_;
   LS_CHECK(mode_ != Mode::kCpu, "internal: the engine is not used on a CPU process device");
   if (engine_) {
@@ -350,13 +336,9 @@ std::string DeviceState::replan_after_pressure_locked() {
   // still held); after a yield inside a step with more headroom each time, so that a process whose peak
   // keeps growing does not yield at every step. A yield between steps (a sample, the user's tensors) keeps
   // the headroom: the next plan measures the step again.
-  if (!pressure_between_steps_.exchange(false)) headroom_permille_ = std::min<std::size_t>(headroom_permille_ * 2, 250);
-  budget_planned_ = false;
-  budget_recording_ = false;
+  headroom_.after_yield(pressure_between_steps_.exchange(false));
+  recorder_.unplan();
   planned_resident_.clear();
-  first_uses_.clear();
-  seen_.clear();
-  plan_uses_.clear();
   budget_room_ = 0;
   const std::size_t least = ring_bytes_for(largest_attached_.load());
   const bool shrink = !ring_fixed_ && engine_->ring_capacity() > least;
@@ -365,7 +347,7 @@ std::string DeviceState::replan_after_pressure_locked() {
     shrink_pending_ = true;
   }
   return detail::concat(given, "; the VRAM budget plans again from the next training steps with ",
-                        headroom_permille_ / 10, "% headroom",
+                        headroom_.permille() / 10, "% headroom",
                         shrink ? detail::concat(", and the device ring goes back to ", least / kMiB, " MiB") : "");
 }
 
@@ -399,13 +381,11 @@ DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer, bool fr
   if (predictor_generation_ != generation_) {  // layer ids of an older engine mean nothing now
     predictor_ = AccessPredictor();
     predictor_generation_ = generation_;
-    first_uses_.clear();
-    seen_.clear();
-    plan_uses_.clear();
     fresh_each_use_.clear();
-    budget_recording_ = false;
-    if (!keep_plan_) {
-      budget_planned_ = false;  // a rebuilt engine: plan its layers again
+    if (keep_plan_) {
+      recorder_.restart();
+    } else {
+      recorder_.unplan();  // a rebuilt engine: plan its layers again
       planned_resident_.clear();
     }
     keep_plan_ = false;
@@ -415,28 +395,16 @@ DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer, bool fr
   } else {
     fresh_each_use_.erase(layer);
   }
-  const bool planning = vram_budget_.enabled && !budget_planned_;
   predictor_.observe(layer);
-  if (planning && !budget_recording_) {
-    // A training forward: record from here (see budget_recording_). An autograd function's forward runs
-    // with grad mode off: its caller says whether grad was on (GradForwardScope).
-    if (at::GradMode::is_enabled() || GradForwardScope::active()) {
-      budget_recording_ = true;
-      hits_before_recording_ = predictor_.stats().correct;
-      start_peak_window_locked();
-    } else if (!told_waiting_) {  // once here, not at every call of the passes before training
-      told_waiting_ = true;
-      out.waits_for_training = true;
-    }
-  }
-  if (planning && budget_recording_) {
-    if (seen_.insert(layer).second) first_uses_.push_back(layer);
-    if (plan_uses_.size() < (std::size_t{1} << 22)) plan_uses_.push_back(layer);
-    // Twice as many correct predictions as there are layers: the order has repeated, the second pass
-    // (step) is under way, and the first one's peak memory is on record.
-    if (predictor_.stats().correct - hits_before_recording_ >= 2 * first_uses_.size() + 2) {
-      budget_planned_ = true;
-      out.plan_now = true;
+  if (vram_budget_.enabled) {
+    // An autograd function's forward runs with grad mode off: its caller says whether grad was on
+    // (GradForwardScope).
+    const bool training = at::GradMode::is_enabled() || GradForwardScope::active();
+    switch (recorder_.observe(layer, training, predictor_.stats().correct)) {
+      case BudgetRecorder::Outcome::kWaiting: out.waits_for_training = true; break;
+      case BudgetRecorder::Outcome::kStarted: start_peak_window_locked(); break;
+      case BudgetRecorder::Outcome::kPlanNow: out.plan_now = true; break;
+      default: break;
     }
   }
   if (!prefetch_) return out;
@@ -481,50 +449,31 @@ std::optional<std::size_t> DeviceState::layer_bytes_locked(LayerId layer, bool i
 
 std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) {
   if (view.limit == 0) return "LAYERSTREAM_VRAM_BUDGET is set but nothing reports device memory here; ignored";
-  // 5% at first (allocator fragmentation, a longer prompt), more after each yield to memory pressure.
-  const std::size_t headroom = view.limit / 1000 * headroom_permille_;
-  // The plan's peak leaves `headroom` free: a miss there is the plan working, not pressure.
-  pressure_threshold_ = headroom / 2;
   const std::size_t ring = engine_->ring_capacity();
-  // The ring and the resident copies share what the process may hold beyond its peak without the ring.
-  const std::size_t others = view.peak > ring ? view.peak - ring : 0;
-  const std::size_t room = view.limit > others + headroom ? view.limit - others - headroom : 0;
+  const BudgetHeadroom::Room room = headroom_.room_for(view.limit, view.peak, ring);
+  pressure_threshold_ = headroom_.threshold();
   std::vector<LayerId> ids;
   std::vector<std::size_t> sizes, footprints;  // copied and resident bytes; what each takes in the ring
   std::unordered_map<LayerId, std::size_t> index;
   std::size_t largest = 0;
-  for (LayerId id : first_uses_) {
+  for (LayerId id : recorder_.first_uses()) {
     const std::optional<std::size_t> bytes = layer_bytes_locked(id, false);
     const std::optional<std::size_t> in_ring = layer_bytes_locked(id, true);
     if (bytes && in_ring) {  // nullopt: freed since
       index.emplace(id, ids.size());
       ids.push_back(id);
       sizes.push_back(*bytes);
-      footprints.push_back(ring_unit(*in_ring));  // as the ring rounds a region
+      footprints.push_back(ring_footprint(*in_ring));
       largest = std::max(largest, *in_ring);
     }
   }
   std::vector<std::size_t> recorded;
-  for (LayerId id : plan_uses_) {
+  for (LayerId id : recorder_.take_uses()) {
     if (auto it = index.find(id); it != index.end()) recorded.push_back(it->second);
   }
-  const std::vector<std::size_t> uses = one_step(recorded);
-  plan_uses_.clear();
-  plan_uses_.shrink_to_fit();
-  // Candidate rings: the one in use first, then multiples of the largest layer.
-  std::vector<std::size_t> rings = {ring};
-  if (!ring_fixed_) {
-    // 3: see ring_bytes_for. Up to 10: the deepest ring measured (FLUX.2 under 24 GiB, residency_plan.h).
-    for (std::size_t k : {3u, 4u, 5u, 6u, 8u, 10u}) {
-      if (k * ring_unit(largest) > ring) rings.push_back(k * ring_unit(largest));
-    }
-  }
-  // The ring in use is a candidate too; another one costs a rebuild once (a stall and the resident copies
-  // again), which a run's steps repay when the plan copies no more per step (residency_plan.h).
-  const RingPlan stay = plan_ring_and_residency(sizes, uses, room, {ring}, 1.0, footprints);
-  RingPlan plan = plan_ring_and_residency(sizes, uses, room, rings, 1.0, footprints);
-  if (plan.copied_bytes > stay.copied_bytes) plan = stay;
-  budget_room_ = room > plan.ring_bytes ? room - plan.ring_bytes : 0;
+  const BudgetPlan budget = plan_budget(sizes, footprints, one_step(recorded), room.room, ring, largest, ring_fixed_);
+  const RingPlan& plan = budget.ring;
+  budget_room_ = room.room > plan.ring_bytes ? room.room - plan.ring_bytes : 0;
   budget_estimate_ = plan.copied_bytes;
   // With a new ring the resident copies are made as the layers register with the rebuilt engine
   // (consider_residency); with this one, now. Either way spread over the step (residency_plan.h):
@@ -557,12 +506,12 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
   const std::string ring_note =
       rebuild ? detail::concat("; the device ring grows from ", ring / kMiB, " to ", plan.ring_bytes / kMiB,
                                " MiB at the next layer call (estimated copies per planned sequence ",
-                               stay.copied_bytes / kMiB, " -> ", plan.copied_bytes / kMiB, " MiB)")
+                               budget.stay_copied / kMiB, " -> ", plan.copied_bytes / kMiB, " MiB)")
               : std::string();
   return detail::concat("layerstream VRAM budget on ", describe(), ": ", view.limit / kMiB, " MiB",
                         vram_budget_.automatic ? " (auto)" : "", ", peak ", view.peak / kMiB,
                         " MiB in the training step (from its first forward; what the process held before is not "
-                        "counted), ", headroom_permille_ / 10, "% headroom: ", kept, " layers (", kept_bytes / kMiB,
+                        "counted), ", headroom_.permille() / 10, "% headroom: ", kept, " layers (", kept_bytes / kMiB,
                         " MiB) stay on the device, ", streamed, " stream", ring_note,
                         not_copied > 0 ? detail::concat(" (", not_copied, " of them planned to stay, but their "
                                                         "copy could not be issued: ", copy_error, ")")
@@ -624,7 +573,7 @@ StateStats DeviceState::stats() {
   s.dequant_own_memory = dequant_counts_[static_cast<int>(DequantUse::kOwnMemory)];
   s.dequant_on_copy = dequant_counts_[static_cast<int>(DequantUse::kOnCopy)];
   s.predictor = predictor_.stats();
-  s.vram_budget_planned = budget_planned_;
+  s.vram_budget_planned = recorder_.planned();
   s.vram_budget_room = budget_room_;
   s.vram_budget_estimate = budget_estimate_;
   s.pressure_yields = pressure_yields_.load();

@@ -34,6 +34,7 @@
 #include "layerstream/pinned_arena.h"
 #include "layerstream/shared_host.h"
 #include "layerstream/transfer_engine.h"
+#include "layerstream/vram_budget.h"
 #include "settings.h"
 
 namespace layerstream::torchglue {
@@ -232,18 +233,10 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   }
   std::size_t resident_budget_ = 0;  // LAYERSTREAM_RESIDENT_MB
   VramBudget vram_budget_;           // LAYERSTREAM_VRAM_BUDGET
-  bool budget_planned_ = false;
-  // The budget plans from training steps only: it starts recording at the first use in a forward with
-  // grad enabled (uses before it, such as AI-Toolkit's samples before the first step, have neither a
-  // training step's order nor its peak memory), and counts the predictor's hits from there.
-  bool budget_recording_ = false;
-  bool told_waiting_ = false;  // that it waits has been said (by this state; log_once for the process)
-  std::uint64_t hits_before_recording_ = 0;
+  BudgetRecorder recorder_;  // which uses the budget plans from, and when (vram_budget.h)
+  BudgetHeadroom headroom_;  // the plan's headroom and when a miss is pressure (vram_budget.h)
   std::size_t budget_room_ = 0;
   std::uint64_t budget_estimate_ = 0;
-  std::vector<LayerId> first_uses_;  // layers of the current engine, in order of first use
-  std::unordered_set<LayerId> seen_;
-  std::vector<LayerId> plan_uses_;   // every use while the budget is being planned (the step's sequence)
   // The ring the budget's plan chose (0: none pending), built at the next call with no layer in use; the
   // host blocks of the layers it keeps resident, made resident as they register with the new engine.
   bool ring_fixed_ = false;  // LAYERSTREAM_RING_MB given: the plan keeps the ring as it is
@@ -259,7 +252,6 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   std::atomic<bool> pressure_between_steps_{false};  // the pending yield came from between two steps
   std::atomic<bool> in_step_{false};                 // in_training_step()
   std::atomic<int> step_task_{-1};                   // the graph task whose end-of-step callback is queued
-  std::size_t headroom_permille_ = 50;  // the plan's headroom; doubles (up to a quarter) after each yield
   std::unordered_set<const void*> planned_resident_;
   std::unordered_set<LayerId> fresh_each_use_;  // note_use(): layers never copied ahead of need
   // What a layer call leaves the caller to do outside mu_ (a Python log sink takes the GIL).

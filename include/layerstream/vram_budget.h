@@ -1,0 +1,120 @@
+// The VRAM budget's decisions for one device, without torch: how large the ring is, which uses of a
+// training step it plans from, how much room the step's peak leaves, when an allocation that found no
+// cached block is memory pressure, and what a yield to that pressure changes. The torch glue
+// (DeviceState) feeds it what it observes (layer uses, torch's allocator, the simulator) and carries out
+// what it decides (rebuild the ring, make layers resident, give them back); the tests drive it directly.
+//
+// Thread-safety: none; the owner serializes calls (DeviceState holds its mutex).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "layerstream/residency_plan.h"
+
+namespace layerstream {
+
+using LayerId = std::uint64_t;  // as the TransferEngine names layers
+
+// Bytes a layer takes in the ring: its device bytes rounded up to the ring's alignment.
+std::size_t ring_footprint(std::size_t device_bytes);
+
+// The least ring on a GPU ("min", and the first steps of a VRAM budget's run): kMinRingLayers of the
+// largest layer attached, never more than all the attached layers take. Sized from the layers, not the
+// device: a ring of an eighth of the device (up to 3 GiB) was faster on FLUX.1 but held 2.3 GB more than
+// the stock manager at the same settings, where people offload because memory is short.
+constexpr std::size_t kMinRingLayers = 4;
+std::size_t least_ring_bytes(std::size_t largest_device_bytes, std::size_t attached_device_bytes);
+
+// The ring for a largest layer of `layer_bytes`: `fixed` (LAYERSTREAM_RING_MB) when given, else three of
+// the layer (room for the next one wherever the held one sits) and at least `floor`. Raises InvalidArgument
+// when a fixed ring cannot hold the layer.
+std::size_t ring_bytes_for(std::size_t layer_bytes, std::size_t floor, const std::size_t* fixed);
+
+// Rings the plan weighs: the one in use, then 3, 4, 5, 6, 8 and 10 of the largest layer that are deeper
+// (10: the deepest measured, FLUX.2 under 24 GiB). Only the one in use when the ring is fixed.
+std::vector<std::size_t> candidate_rings(std::size_t current, std::size_t largest_device_bytes, bool fixed);
+
+// The plan for one step's record: the ring and resident layers (plan_ring_and_residency over the
+// candidates), kept at the current ring unless another copies fewer bytes (a rebuild costs a stall and the
+// resident copies again).
+struct BudgetPlan {
+  RingPlan ring;                  // ring.ring_bytes: the chosen ring; ring.resident: by layer, first-use order
+  std::uint64_t stay_copied = 0;  // the estimate with the ring in use
+  std::size_t room = 0;           // bytes the ring and the resident layers share
+};
+BudgetPlan plan_budget(const std::vector<std::size_t>& sizes, const std::vector<std::size_t>& footprints,
+                       const std::vector<std::size_t>& uses, std::size_t room, std::size_t current_ring,
+                       std::size_t largest_device_bytes, bool ring_fixed);
+
+// When the budget plans, and from what: uses are recorded from the first use in a training step (a
+// forward with grad enabled; passes before it, such as samples, have neither a step's order nor its peak),
+// and the plan is made once the order has repeated (the access predictor has been right twice as often as
+// there are layers: the second step is under way, and the first one's peak is on record).
+class BudgetRecorder {
+ public:
+  enum class Outcome {
+    kNothing,         // not planning, or a use outside training while waiting
+    kWaiting,         // the first use outside training while waiting (say once that it waits)
+    kStarted,         // recording started here: start the windowed peak
+    kRecording,       // recorded
+    kPlanNow,         // recorded, and the plan is due now
+  };
+  // `correct_predictions`: the access predictor's count of correct predictions so far.
+  Outcome observe(LayerId layer, bool training, std::uint64_t correct_predictions);
+  // Forget the record (a rebuilt engine, a yield): plan again from the next training step.
+  void restart();
+  // Plan again (as restart) and wait for a new plan; `planned()` false.
+  void unplan() {
+    restart();
+    planned_ = false;
+  }
+  bool planned() const { return planned_; }
+  bool recording() const { return recording_; }
+  const std::vector<LayerId>& first_uses() const { return first_uses_; }
+  // The recorded uses, handed over (and forgotten) for the plan.
+  std::vector<LayerId> take_uses();
+
+ private:
+  bool planned_ = false;
+  bool recording_ = false;
+  bool told_waiting_ = false;
+  std::uint64_t hits_at_start_ = 0;
+  std::vector<LayerId> first_uses_;
+  std::unordered_set<LayerId> seen_;
+  std::vector<LayerId> uses_;
+};
+
+// How much of the device the budget's plan may use, and when a miss of the allocator is memory pressure.
+class BudgetHeadroom {
+ public:
+  struct Room {
+    std::size_t headroom = 0;  // left free at the step's planned peak
+    std::size_t room = 0;      // for the ring and the resident layers
+  };
+  // Room for the ring and resident layers on a device the process may use `limit` bytes of, whose step
+  // peaked at `peak` with a ring of `ring` (the ring is counted again in the plan). Sets the threshold.
+  Room room_for(std::size_t limit, std::size_t peak, std::size_t ring);
+  // An allocation that found no cached block is pressure between steps always (the plan knows nothing of
+  // what is asked there, and the allocator does not say how much), inside a step when less than half the
+  // headroom is free (the plan's own peak leaves all of it free). Never before a plan (nothing to give).
+  // `threshold`: threshold() of the last plan (read without the owner's lock by the allocator's callback).
+  static bool is_pressure(std::size_t threshold, bool between_steps, std::size_t free_bytes) {
+    return threshold != 0 && (between_steps || free_bytes < threshold);
+  }
+  std::size_t threshold() const { return threshold_; }
+  // Resident layers were given back: nothing more to give until the next plan; a yield inside a step
+  // doubles the headroom (up to a quarter), so that a process whose step keeps growing does not yield
+  // at every step; one between steps says nothing about the plan.
+  void after_yield(bool between_steps);
+  std::size_t permille() const { return permille_; }
+
+ private:
+  std::size_t permille_ = 50;  // 5% at first: allocator fragmentation, a longer prompt
+  std::size_t threshold_ = 0;
+};
+
+}  // namespace layerstream

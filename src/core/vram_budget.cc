@@ -1,0 +1,103 @@
+#include "layerstream/vram_budget.h"
+
+#include <algorithm>
+
+#include "layerstream/check.h"
+
+namespace layerstream {
+namespace {
+constexpr std::size_t kRingAlignment = 256;  // as DeviceRing places regions
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+constexpr std::size_t kMostHeadroomPermille = 250;
+}  // namespace
+
+std::size_t ring_footprint(std::size_t device_bytes) {
+  return (device_bytes + kRingAlignment - 1) / kRingAlignment * kRingAlignment;
+}
+
+std::size_t least_ring_bytes(std::size_t largest_device_bytes, std::size_t attached_device_bytes) {
+  return std::min(kMinRingLayers * ring_footprint(largest_device_bytes), ring_footprint(attached_device_bytes));
+}
+
+std::size_t ring_bytes_for(std::size_t layer_bytes, std::size_t floor, const std::size_t* fixed) {
+  const std::size_t aligned = ring_footprint(layer_bytes);
+  const std::size_t wanted = fixed != nullptr ? *fixed : std::max(3 * aligned, floor);
+  LS_CHECK_ARG(wanted >= aligned, "LAYERSTREAM_RING_MB is ", wanted / kMiB, " MiB, smaller than a layer of ",
+               layer_bytes, " bytes; raise it to at least ", (aligned + kMiB - 1) / kMiB, " MiB (3x that is better)");
+  return wanted;
+}
+
+std::vector<std::size_t> candidate_rings(std::size_t current, std::size_t largest_device_bytes, bool fixed) {
+  std::vector<std::size_t> rings = {current};
+  if (fixed) return rings;
+  const std::size_t unit = ring_footprint(largest_device_bytes);
+  for (std::size_t k : {3u, 4u, 5u, 6u, 8u, 10u}) {
+    if (k * unit > current) rings.push_back(k * unit);
+  }
+  return rings;
+}
+
+BudgetPlan plan_budget(const std::vector<std::size_t>& sizes, const std::vector<std::size_t>& footprints,
+                       const std::vector<std::size_t>& uses, std::size_t room, std::size_t current_ring,
+                       std::size_t largest_device_bytes, bool ring_fixed) {
+  BudgetPlan out;
+  out.room = room;
+  const RingPlan stay = plan_ring_and_residency(sizes, uses, room, {current_ring}, 1.0, footprints);
+  out.stay_copied = stay.copied_bytes;
+  out.ring = plan_ring_and_residency(sizes, uses, room,
+                                     candidate_rings(current_ring, largest_device_bytes, ring_fixed), 1.0, footprints);
+  if (out.ring.copied_bytes > stay.copied_bytes) out.ring = stay;
+  return out;
+}
+
+BudgetRecorder::Outcome BudgetRecorder::observe(LayerId layer, bool training, std::uint64_t correct_predictions) {
+  if (planned_) return Outcome::kNothing;
+  Outcome out = Outcome::kRecording;
+  if (!recording_) {
+    if (!training) {
+      if (told_waiting_) return Outcome::kNothing;
+      told_waiting_ = true;  // once, not at every call of the passes before training
+      return Outcome::kWaiting;
+    }
+    recording_ = true;
+    hits_at_start_ = correct_predictions;
+    out = Outcome::kStarted;
+  }
+  if (seen_.insert(layer).second) first_uses_.push_back(layer);
+  if (uses_.size() < (std::size_t{1} << 22)) uses_.push_back(layer);
+  if (correct_predictions - hits_at_start_ >= 2 * first_uses_.size() + 2) {
+    planned_ = true;
+    return Outcome::kPlanNow;
+  }
+  return out;
+}
+
+void BudgetRecorder::restart() {
+  recording_ = false;
+  first_uses_.clear();
+  seen_.clear();
+  uses_.clear();
+}
+
+std::vector<LayerId> BudgetRecorder::take_uses() {
+  std::vector<LayerId> out;
+  out.swap(uses_);
+  return out;
+}
+
+BudgetHeadroom::Room BudgetHeadroom::room_for(std::size_t limit, std::size_t peak, std::size_t ring) {
+  Room r;
+  r.headroom = limit / 1000 * permille_;
+  threshold_ = r.headroom / 2;
+  // The ring and the resident copies share what the process may hold beyond its peak without the ring.
+  const std::size_t others = peak > ring ? peak - ring : 0;
+  r.room = limit > others + r.headroom ? limit - others - r.headroom : 0;
+  return r;
+}
+
+void BudgetHeadroom::after_yield(bool between_steps) {
+  threshold_ = 0;
+  if (!between_steps) permille_ = std::min(permille_ * 2, kMostHeadroomPermille);
+}
+
+}  // namespace layerstream
