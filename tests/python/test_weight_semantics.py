@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import aitk_dirs, clear_device_states
+from conftest import aitk_dirs, clear_device_states, deterministic_cudnn
 from contract_driver import ContractManager
 from layerstream import manager_modules as mm
 from layerstream.aitk import load_memory_management
@@ -132,10 +132,11 @@ def _penalty_grads(model, x):
 
 @pytest.mark.parametrize("trainable", [True, False], ids=["full", "frozen"])
 @pytest.mark.parametrize("kind", ["linear", "conv"])
-def test_double_backward_matches_the_unmanaged_model(engine, device, kind, trainable):
+def test_double_backward_matches_the_unmanaged_model(engine, device, monkeypatch, kind, trainable):
     """create_graph=True runs the layers' backward differentiably: the graph it builds saved views of ring
     memory that the next layers' copies overwrite (five layers cycle the ring), and the weights'
     second-order terms were lost (their gradients went through the D2H staging)."""
+    deterministic_cudnn(engine, monkeypatch)
     torch.manual_seed(5)
     layers = []
     for i in range(5):
@@ -152,7 +153,10 @@ def test_double_backward_matches_the_unmanaged_model(engine, device, kind, train
         expected = _penalty_grads(ref, x)
         got = _penalty_grads(managed, x)
     assert len(got) == len(expected) == (11 if trainable else 1)
-    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, expected))  # managed gradients are on the host
+    # The input's gradient is on the device on both sides, a managed weight's where its Parameter lives (the
+    # host on CUDA, the unmanaged one's on the device): compared on the host.
+    assert all(p.grad.device == p.device for p in managed.parameters() if p.requires_grad)
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, expected))
 
 
 # ---- item 5: replaced weights, unbatched conv, tied weights, inference tensors -------------------------
@@ -182,7 +186,8 @@ def test_a_weight_replaced_before_the_backward_is_the_forwards_or_refused(engine
         y.backward()
 
 
-def test_unbatched_conv_input_matches_the_unmanaged_layer(engine, device):
+def test_unbatched_conv_input_matches_the_unmanaged_layer(engine, device, monkeypatch):
+    deterministic_cudnn(engine, monkeypatch)
     torch.manual_seed(6)
     ref = torch.nn.Conv2d(3, 4, 3, padding=1)
     managed = managed_conv = copy.deepcopy(ref)
