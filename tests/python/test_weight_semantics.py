@@ -16,6 +16,7 @@ from conftest import aitk_dirs, clear_device_states, deterministic_cudnn
 from contract_driver import ContractManager
 from layerstream import manager_modules as mm
 from layerstream.aitk import load_memory_management
+from masters import Masters
 from models import TinyTransformer
 from test_manager_contract import _steps
 
@@ -53,11 +54,13 @@ def _import_ema(aitk_dir):
         sys.path.remove(aitk_dir)
 
 
-def _ema_run(model, ema_cls, device, params):
+def _ema_run(model, ema_cls, device, masters):
     """AI-Toolkit's loop with an EMA: step, ema.update(); before sampling ema.eval() (store, then copy_to:
-    p.data.copy_), sample twice under no_grad; ema.train() (restore: p.data.copy_); every output recorded."""
-    opt = torch.optim.AdamW(params, lr=1e-2)
-    ema = ema_cls(params, decay=0.5)
+    p.data.copy_), sample twice under no_grad; ema.train() (restore: p.data.copy_); every output recorded.
+    The optimizer and the EMA act on `masters` (masters.py: where the managed model keeps its Parameters;
+    for the managed model, the Parameters themselves)."""
+    opt = torch.optim.AdamW(masters.masters, lr=1e-2)
+    ema = ema_cls(masters.masters, decay=0.5)
     g = torch.Generator().manual_seed(3)
     out = []
     for _ in range(3):
@@ -66,16 +69,20 @@ def _ema_run(model, ema_cls, device, params):
         loss = model(x).pow(2).mean()
         loss.backward()
         mm.sync_grad_transfers()
+        masters.grads_to_masters()
         opt.step()
+        masters.masters_to_params()
         ema.update()
         out.append(loss.detach())
         ema.eval()
+        masters.masters_to_params()
         with torch.no_grad():
             out += [model(x), model(x)]
         ema.train()
+        masters.masters_to_params()
         with torch.no_grad():
             out.append(model(x))
-    return out + [p.detach().clone() for p in params]
+    return out + [p.detach().clone() for p in masters.masters]
 
 
 @pytest.mark.skipif(not DIRS, reason="AI_TOOLKIT_DIR is not set (its toolkit/ema.py is the EMA under test)")
@@ -92,10 +99,12 @@ def test_ema_swap_through_data_is_seen_by_the_next_call(engine, device, monkeypa
     managed = mlp()
     package.MemoryManager.attach(managed, device, offload_percent=1.0)
     managed.to(device)
-    expected = _ema_run(ref, ema_cls, device, list(ref.parameters()))
-    got = _ema_run(managed, ema_cls, device, list(managed.parameters()))
+    params = list(managed.parameters())
+    expected = _ema_run(ref, ema_cls, device, Masters(ref.parameters(), placed_like=params))
+    got = _ema_run(managed, ema_cls, device, Masters(params))
     assert len(got) == len(expected)
-    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    # Outputs and losses on the device, weights where the managed Parameters live.
+    assert all(a.device == b.device and torch.equal(a, b) for a, b in zip(got, expected))
     if engine == "sim":
         stats = mm._DEVICE_STATE[device].stats()
         # Per step: 3 forwards, 2 backwards that read the weight (the first layer's input takes no
