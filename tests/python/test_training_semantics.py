@@ -1,5 +1,6 @@
 """Training through AI-Toolkit's real manager.py, managed against unmanaged, bitwise: the gradients of
-trainable managed weights (issue 24, items 1 and 2) and the matrix a trainer produces (LoRA or full fine-tune, checkpointing, gradient accumulation, a plain or
+trainable managed weights (issue 24, items 1 and 2, also recorded for AI-Toolkit's stock manager on CUDA)
+and the matrix a trainer produces (LoRA or full fine-tune, checkpointing, gradient accumulation, a plain or
 a fused optimizer step, how frozen weights are stored). Skipped without AI_TOOLKIT_DIR. The `engine`
 fixture checks that the simulator's race checker saw no unordered read of a gradient still being copied.
 
@@ -20,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from conftest import aitk_dirs
 from layerstream import manager_modules as mm
-from layerstream.aitk import load_memory_management
+from layerstream.aitk import load_memory_management, manager_version
 from linear_checks import compressed_reference
 from masters import Masters
 from models import TinyTransformer, apply_lora
@@ -101,13 +102,13 @@ class Chain(torch.nn.Module):
         return x
 
 
-def accumulated(device, checkpointing, manager="layerstream", aitk_dir=None, sync=lambda: None):
-    """Two backward passes into .grad of three Linear(256, 256) under `checkpointing`."""
+def accumulated(device, checkpointing, manager="layerstream", aitk_dir=None, sync=lambda: None, width=256):
+    """Two backward passes into .grad of three Linear(width, width) under `checkpointing`."""
     torch.manual_seed(1)
-    reference, managed = twins(Chain(checkpointing=checkpointing), device, manager, aitk_dir)
+    reference, managed = twins(Chain(d=width, checkpointing=checkpointing), device, manager, aitk_dir)
     g = torch.Generator().manual_seed(2)
     for _ in range(2):
-        x = torch.randn(4, 256, generator=g).to(device)
+        x = torch.randn(4, width, generator=g).to(device)
         if checkpointing == "reentrant":
             x.requires_grad_(True)
         reference(x).pow(2).mean().backward()
@@ -135,16 +136,16 @@ def _record_hooks(model, kind, seen):
             layer.weight.register_post_accumulate_grad_hook(lambda p, i=i: seen.append((i, p.grad.clone())))
 
 
-def hooked(device, kind, manager="layerstream", aitk_dir=None, sync=lambda: None):
-    """A tensor or post-accumulate-grad hook on every weight reads the gradient, in two backward passes (the
-    second adds into .grad: post-accumulate hooks see the sum)."""
+def hooked(device, kind, manager="layerstream", aitk_dir=None, sync=lambda: None, width=256):
+    """A tensor or post-accumulate-grad hook on every weight of three Linear(width, width) reads the
+    gradient, in two backward passes (the second adds into .grad: post-accumulate hooks see the sum)."""
     torch.manual_seed(3)
-    reference, managed = twins(Chain(), device, manager, aitk_dir)
+    reference, managed = twins(Chain(d=width), device, manager, aitk_dir)
     seen_ref, seen = [], []
     _record_hooks(reference, kind, seen_ref)
     _record_hooks(managed, kind, seen)
     for _ in range(2):
-        x = torch.randn(4, 256).to(device)
+        x = torch.randn(4, width).to(device)
         reference(x).pow(2).mean().backward()
         managed(x).pow(2).mean().backward()
     sync()
@@ -227,12 +228,12 @@ class Reuse(torch.nn.Module):
         return b(torch.tanh(a(x)))
 
 
-def reused(device, how, manager="layerstream", aitk_dir=None, sync=lambda: None):
+def reused(device, how, manager="layerstream", aitk_dir=None, sync=lambda: None, width=64):
     """Two backward passes through a model whose weight has several uses in one graph (Reuse)."""
     torch.manual_seed(5)
-    reference, managed = twins(Reuse(how), device, manager, aitk_dir)
+    reference, managed = twins(Reuse(how, d=width), device, manager, aitk_dir)
     for _ in range(2):
-        x = torch.randn(3, 64).to(device)
+        x = torch.randn(3, width).to(device)
         reference(x).pow(2).mean().backward()
         managed(x).pow(2).mean().backward()
     sync()
@@ -245,6 +246,59 @@ def test_several_uses_of_one_parameter_in_one_graph(engine, device, how):
         pytest.skip("on CUDA a managed weight lives on the host: an operation outside the layer cannot use it with "
                     "device inputs (nor with the stock manager)")
     assert_same(reused(device, how))
+
+
+# Issue 24 asks whether AI-Toolkit's stock manager_modules shares items 1 and 2 on CUDA (on the CPU its
+# gradients are computed on the host as backward runs: nothing is in flight). The reproducers above, each
+# with the checkout's own manager_modules: item, reproducer, its argument. Accumulation without
+# checkpointing and with reentrant checkpointing are the controls of item 1.
+STOCK_CASES = [
+    pytest.param(item, reproducer, case, id=f"item{item}-{reproducer.__name__}-{case or 'plain'}")
+    for item, reproducer, case in [
+        (1, accumulated, None), (1, accumulated, "reentrant"), (1, accumulated, "non_reentrant"),
+        (2, hooked, "tensor"), (2, hooked, "post_accumulate"), (2, reused, "twice"), (2, reused, "tied"),
+    ]
+]
+
+
+def stock_line(aitk_dir, item, name, run) -> str:
+    """`STOCK-ITEM item=1 case=accumulated-non_reentrant aitk=27a03a91 exact=False maxdiff=3.8e+23`, the
+    outcome of `run()` (pairs to compare), for docs/reliability.md: maxdiff is the largest difference (nan
+    or inf: garbage); an exception is stock's outcome too (`exact=False error=...`)."""
+    version = (manager_version(f"{aitk_dir}/toolkit/memory_management") or "unknown").split()[0]
+    head = f"STOCK-ITEM item={item} case={name} aitk={version}"
+    try:
+        found = differences(run())
+    except Exception as exc:
+        return f"{head} exact=False error={type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+    worst = max(found.values(), key=lambda d: math.inf if math.isnan(d) else d, default=0.0)
+    return f"{head} exact={not found} maxdiff={worst:.6g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["cuda"], indirect=True)
+@pytest.mark.parametrize("aitk_dir", DIRS)
+@pytest.mark.parametrize("item,reproducer,case", STOCK_CASES)
+def test_items_1_and_2_through_the_stock_manager(engine, device, aitk_dir, item, reproducer, case, capsys):
+    """Stock's result is recorded, not asserted: one STOCK-ITEM line per case in pytest's output (it
+    waits for the gradient copies only where the tensor saved for backward has a .grad, 27a03a91, or never,
+    323b4aaf; its sync_grad_transfers() and a device synchronize run after the last backward, so only
+    reads during backward can make it wrong). Layerstream on the same case, through the same checkout's
+    manager.py, must be exact. Layers 4096 wide (a 64 MiB float32 gradient takes milliseconds to reach the
+    host): a read that is not ordered after its copy is seen, not hidden by a copy that happened to be
+    fast."""
+    stock_modules = load_memory_management(aitk_dir, engine="stock").manager_modules
+
+    def stock_sync():
+        getattr(stock_modules, "sync_grad_transfers", lambda: None)()  # 323b4aaf has none
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    line = stock_line(aitk_dir, item, f"{reproducer.__name__}-{case or 'plain'}", lambda: reproducer(
+        device, case, manager="stock", aitk_dir=aitk_dir, sync=stock_sync, width=4096))
+    with capsys.disabled():
+        print(f"\n{line}")
+    assert_same(reproducer(device, case, aitk_dir=aitk_dir, width=4096))
 
 
 @pytest.mark.parametrize("checkpointing", [None, "non_reentrant"])
