@@ -68,6 +68,13 @@ def device(engine):
     return torch.device("cuda") if engine == "cuda" else torch.device("cpu")
 
 
+def deterministic_cudnn(engine: str, monkeypatch) -> None:
+    """CUDA cases that compare convolutions bitwise: cuDNN may otherwise pick a nondeterministic algorithm
+    per call (the same call twice can differ)."""
+    if engine == "cuda":
+        monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+
+
 def aitk_dirs() -> list[str]:
     """AI_TOOLKIT_DIR may name one checkout, or several separated by os.pathsep."""
     value = os.environ.get("AI_TOOLKIT_DIR", "")

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import clear_device_states, torchao_codes_and_scale
+from conftest import clear_device_states, deterministic_cudnn, torchao_codes_and_scale
 from layerstream import manager_modules as mm
 from linear_checks import check_forward, check_forward_backward, compressed_reference, start_fuzz
 
@@ -70,9 +70,8 @@ def _forward_backward(fn, x, bias):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("qtype", ["qint8", "qfloat8", "qfloat8_e5m2"])
 def test_quanto_weights_stream_as_stored_and_compute_bitwise(engine, device, qtype, dtype, conv, monkeypatch):
-    if engine == "cuda" and conv:
-        # cuDNN may pick a nondeterministic dgrad algorithm per call: the same call twice can differ.
-        monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    if conv:
+        deterministic_cudnn(engine, monkeypatch)
     layer = _quanto_layer(qtype, dtype, conv).to(device)
     layer.bias.requires_grad_(True)  # a trainable bias beside the frozen quantized weight
     x = torch.randn((2, 16, 6, 6) if conv else (5, 64), dtype=dtype, device=device)

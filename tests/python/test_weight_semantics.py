@@ -12,10 +12,11 @@ import sys
 import pytest
 import torch
 
-from conftest import aitk_dirs, clear_device_states
+from conftest import aitk_dirs, clear_device_states, deterministic_cudnn
 from contract_driver import ContractManager
 from layerstream import manager_modules as mm
 from layerstream.aitk import load_memory_management
+from masters import Masters
 from models import TinyTransformer
 from test_manager_contract import _steps
 
@@ -53,11 +54,13 @@ def _import_ema(aitk_dir):
         sys.path.remove(aitk_dir)
 
 
-def _ema_run(model, ema_cls, device, params):
+def _ema_run(model, ema_cls, device, masters):
     """AI-Toolkit's loop with an EMA: step, ema.update(); before sampling ema.eval() (store, then copy_to:
-    p.data.copy_), sample twice under no_grad; ema.train() (restore: p.data.copy_); every output recorded."""
-    opt = torch.optim.AdamW(params, lr=1e-2)
-    ema = ema_cls(params, decay=0.5)
+    p.data.copy_), sample twice under no_grad; ema.train() (restore: p.data.copy_); every output recorded.
+    The optimizer and the EMA act on `masters` (masters.py: where the managed model keeps its Parameters;
+    for the managed model, the Parameters themselves)."""
+    opt = torch.optim.AdamW(masters.masters, lr=1e-2)
+    ema = ema_cls(masters.masters, decay=0.5)
     g = torch.Generator().manual_seed(3)
     out = []
     for _ in range(3):
@@ -66,16 +69,20 @@ def _ema_run(model, ema_cls, device, params):
         loss = model(x).pow(2).mean()
         loss.backward()
         mm.sync_grad_transfers()
+        masters.grads_to_masters()
         opt.step()
+        masters.masters_to_params()
         ema.update()
         out.append(loss.detach())
         ema.eval()
+        masters.masters_to_params()
         with torch.no_grad():
             out += [model(x), model(x)]
         ema.train()
+        masters.masters_to_params()
         with torch.no_grad():
             out.append(model(x))
-    return out + [p.detach().clone() for p in params]
+    return out + [p.detach().clone() for p in masters.masters]
 
 
 @pytest.mark.skipif(not DIRS, reason="AI_TOOLKIT_DIR is not set (its toolkit/ema.py is the EMA under test)")
@@ -92,10 +99,12 @@ def test_ema_swap_through_data_is_seen_by_the_next_call(engine, device, monkeypa
     managed = mlp()
     package.MemoryManager.attach(managed, device, offload_percent=1.0)
     managed.to(device)
-    expected = _ema_run(ref, ema_cls, device, list(ref.parameters()))
-    got = _ema_run(managed, ema_cls, device, list(managed.parameters()))
+    params = list(managed.parameters())
+    expected = _ema_run(ref, ema_cls, device, Masters(ref.parameters(), placed_like=params))
+    got = _ema_run(managed, ema_cls, device, Masters(params))
     assert len(got) == len(expected)
-    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    # Outputs and losses on the device, weights where the managed Parameters live.
+    assert all(a.device == b.device and torch.equal(a, b) for a, b in zip(got, expected))
     if engine == "sim":
         stats = mm._DEVICE_STATE[device].stats()
         # Per step: 3 forwards, 2 backwards that read the weight (the first layer's input takes no
@@ -132,10 +141,11 @@ def _penalty_grads(model, x):
 
 @pytest.mark.parametrize("trainable", [True, False], ids=["full", "frozen"])
 @pytest.mark.parametrize("kind", ["linear", "conv"])
-def test_double_backward_matches_the_unmanaged_model(engine, device, kind, trainable):
+def test_double_backward_matches_the_unmanaged_model(engine, device, monkeypatch, kind, trainable):
     """create_graph=True runs the layers' backward differentiably: the graph it builds saved views of ring
     memory that the next layers' copies overwrite (five layers cycle the ring), and the weights'
     second-order terms were lost (their gradients went through the D2H staging)."""
+    deterministic_cudnn(engine, monkeypatch)
     torch.manual_seed(5)
     layers = []
     for i in range(5):
@@ -152,7 +162,10 @@ def test_double_backward_matches_the_unmanaged_model(engine, device, kind, train
         expected = _penalty_grads(ref, x)
         got = _penalty_grads(managed, x)
     assert len(got) == len(expected) == (11 if trainable else 1)
-    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, expected))  # managed gradients are on the host
+    # The input's gradient is on the device on both sides, a managed weight's where its Parameter lives (the
+    # host on CUDA, the unmanaged one's on the device): compared on the host.
+    assert all(p.grad.device == p.device for p in managed.parameters() if p.requires_grad)
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, expected))
 
 
 # ---- item 5: replaced weights, unbatched conv, tied weights, inference tensors -------------------------
@@ -182,7 +195,8 @@ def test_a_weight_replaced_before_the_backward_is_the_forwards_or_refused(engine
         y.backward()
 
 
-def test_unbatched_conv_input_matches_the_unmanaged_layer(engine, device):
+def test_unbatched_conv_input_matches_the_unmanaged_layer(engine, device, monkeypatch):
+    deterministic_cudnn(engine, monkeypatch)
     torch.manual_seed(6)
     ref = torch.nn.Conv2d(3, 4, 3, padding=1)
     managed = managed_conv = copy.deepcopy(ref)
