@@ -34,6 +34,7 @@
 
 #ifdef LAYERSTREAM_TORCH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #endif
 
 namespace py = pybind11;
@@ -398,6 +399,12 @@ py::object ostris_forward(const py::object& module, LayerManager& core, const py
     ostris_pack(module, core);
     host = ostris_tensors(module, core);
   }
+#ifdef LAYERSTREAM_TORCH_CUDA
+  // The layer's own forward runs with the process device current, as stock runs it: the quantizers' Triton
+  // kernels launch on the current device (a model on cuda:1 while cuda:0 is current would launch there).
+  std::optional<c10::cuda::CUDAGuard> guard;
+  if (state->mode() == Mode::kCuda) guard.emplace(state->device().index());
+#endif
   std::vector<at::Tensor> staged = core.layer->stage_tensors();
   py::dict buffers = module.attr("_buffers");
   py::object bias = core.ostris_bias ? py::object(py::dict(module.attr("_parameters"))["bias"]) : py::none();
