@@ -9,6 +9,7 @@ checkout's own Python file. Each engine gets its own package name, so both can l
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import logging
 import os
@@ -75,3 +76,22 @@ def load_memory_management(aitk_dir: str | os.PathLike, engine: str = "layerstre
             del sys.modules[key]
         raise
     return package
+
+
+def import_toolkit(aitk_dir: str | os.PathLike, *names: str) -> list[ModuleType]:
+    """Modules of the checkout's own ``toolkit`` package (e.g. ``toolkit.util.ostris_quant``, its quantizers),
+    imported unchanged, for the tests and benchmarks. A ``toolkit`` imported before (another checkout's) is
+    dropped from ``sys.modules`` first. Its ``toolkit/print.py`` needs accelerate for its one function
+    ``print_acc``; where accelerate is not installed, a module with that function (``print``) stands in."""
+    for name in [n for n in sys.modules if n == "toolkit" or n.startswith("toolkit.")]:
+        del sys.modules[name]
+    if importlib.util.find_spec("accelerate") is None:
+        stand_in = ModuleType("toolkit.print")
+        stand_in.print_acc = print
+        sys.modules["toolkit.print"] = stand_in
+    path = str(aitk_dir)
+    sys.path.insert(0, path)
+    try:
+        return [importlib.import_module(name) for name in names]
+    finally:
+        sys.path.remove(path)

@@ -34,6 +34,7 @@
 
 #ifdef LAYERSTREAM_TORCH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #endif
 
 namespace py = pybind11;
@@ -350,11 +351,24 @@ py::object generic_forward(const py::object& module, const py::object& x, bool c
 // at attach (the layer's buffers and bias become host views of it); each call stages copies of them onto the
 // device through the engine (pinned, prefetched, out of the ring into torch's allocator), swaps them into
 // the layer for its own forward (its quantizer), then puts the host views back.
-std::vector<at::Tensor> ostris_tensors(const py::object& module, const LayerManager& core) {
+//
+// The layer's buffers (then the bias) in the packed order; nullopt when the layer's set of buffers or its
+// bias is not the one packed (a buffer registered, dropped or renamed since: a re-quantization into another
+// backend, a loaded checkpoint's extra state), so the caller packs again.
+std::optional<std::vector<at::Tensor>> ostris_tensors(const py::object& module, const LayerManager& core) {
   std::vector<at::Tensor> out;
   py::dict buffers = module.attr("_buffers");
-  for (const auto& name : core.buffer_names) out.push_back(py::reinterpret_borrow<py::object>(buffers[name.c_str()]).cast<at::Tensor>());
-  if (core.ostris_bias) out.push_back(py::dict(module.attr("_parameters"))["bias"].cast<at::Tensor>());
+  for (auto item : buffers) {
+    if (item.second.is_none()) continue;
+    if (out.size() == core.buffer_names.size() || item.first.cast<std::string>() != core.buffer_names[out.size()]) {
+      return std::nullopt;
+    }
+    out.push_back(item.second.cast<at::Tensor>());
+  }
+  if (out.size() != core.buffer_names.size()) return std::nullopt;
+  py::object bias = py::dict(module.attr("_parameters")).attr("get")("bias");
+  if (bias.is_none() == core.ostris_bias) return std::nullopt;
+  if (core.ostris_bias) out.push_back(bias.cast<at::Tensor>());
   return out;
 }
 
@@ -379,11 +393,18 @@ void ostris_pack(const py::object& module, LayerManager& core) {
 py::object ostris_forward(const py::object& module, LayerManager& core, const py::object& original,
                           const py::object& x, const std::shared_ptr<DeviceState>& state) {
   if (state->mode() == Mode::kCpu || core.layer->packed_bytes() == 0) return original(x);
-  std::vector<at::Tensor> host = ostris_tensors(module, core);
-  if (!core.layer->tensors_current(host)) {  // buffers replaced (a requantize, a load): pack the new ones
+  std::optional<std::vector<at::Tensor>> host = ostris_tensors(module, core);
+  if (!host || !core.layer->tensors_current(*host)) {
+    // Buffers replaced (a requantize, a load) or a different set of them: pack what the layer holds now.
     ostris_pack(module, core);
     host = ostris_tensors(module, core);
   }
+#ifdef LAYERSTREAM_TORCH_CUDA
+  // The layer's own forward runs with the process device current, as stock runs it: the quantizers' Triton
+  // kernels launch on the current device (a model on cuda:1 while cuda:0 is current would launch there).
+  std::optional<c10::cuda::CUDAGuard> guard;
+  if (state->mode() == Mode::kCuda) guard.emplace(state->device().index());
+#endif
   std::vector<at::Tensor> staged = core.layer->stage_tensors();
   py::dict buffers = module.attr("_buffers");
   py::object bias = core.ostris_bias ? py::object(py::dict(module.attr("_parameters"))["bias"]) : py::none();
@@ -394,10 +415,10 @@ py::object ostris_forward(const py::object& module, LayerManager& core, const py
   swap_in(staged);
   try {
     py::object out = original(x);
-    swap_in(host);
+    swap_in(*host);
     return out;
   } catch (...) {
-    swap_in(host);
+    swap_in(*host);
     throw;
   }
 }

@@ -12,6 +12,7 @@ import faulthandler
 import gc
 import os
 import sys
+from pathlib import Path
 
 # torchao's compiled kernels need CUDA libraries; on CPU-only machines skip loading them quietly.
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from layerstream import manager_modules as mm
+from layerstream.aitk import import_toolkit
 
 
 @pytest.fixture(autouse=True)
@@ -87,3 +89,56 @@ def torchao_codes_and_scale(weight) -> tuple[torch.Tensor, torch.Tensor]:
     if hasattr(weight, "tensor_impl"):
         return weight.tensor_impl.float8_data, weight.tensor_impl.scale
     return weight.qdata, weight.scale
+
+
+def block_bytes(*tensors: torch.Tensor) -> int:
+    """The size of the arena block layerstream packs `tensors` into, one after another as stored: each
+    starts at a 256-byte boundary, the block ends with the last one."""
+    end = 0
+    for t in tensors:
+        end = (end + 255) // 256 * 256 + t.numel() * t.element_size()
+    return end
+
+
+# toolkit/util files of AI-Toolkit's OstrisLinear backends (27a03a91 has all of them, 323b4aaf none).
+OSTRIS_BACKEND_FILES = ("uintx_quant", "convrot_quant", "nvfp4_quant", "orbit_quant", "orbit_vq_quant")
+_ostris_loaded: dict[str, dict] = {}
+
+
+def _swap_toolkit(modules: dict) -> dict:
+    """Puts `modules` (name: module) in place of the `toolkit` package in sys.modules; returns the one there."""
+    before = {n: m for n, m in sys.modules.items() if n == "toolkit" or n.startswith("toolkit.")}
+    for name in before:
+        del sys.modules[name]
+    sys.modules.update(modules)
+    return before
+
+
+class OstrisToolkit:
+    """AI-Toolkit's OstrisLinear code of one checkout (toolkit/util/ostris_quant.py and the backends it has),
+    imported once per process: the backends' module caches (OrbitVQ's lattice codebooks, ConvRot's
+    rotations) are built once, and other checkouts' `toolkit` may be imported in between."""
+
+    def __init__(self, aitk_dir: str):
+        util = Path(aitk_dir) / "toolkit" / "util"
+        if not (util / "ostris_quant.py").is_file():
+            pytest.skip(f"{aitk_dir}: this AI-Toolkit version has no OstrisLinear (toolkit/util/ostris_quant.py)")
+        if aitk_dir not in _ostris_loaded:
+            files = [f for f in OSTRIS_BACKEND_FILES if (util / f"{f}.py").is_file()]
+            import_toolkit(aitk_dir, "toolkit.util.ostris_quant", *(f"toolkit.util.{f}" for f in files))
+            _ostris_loaded[aitk_dir] = _swap_toolkit({})
+        self.aitk_dir = aitk_dir
+        self.modules = _ostris_loaded[aitk_dir]
+        self.ostris = self.modules["toolkit.util.ostris_quant"]
+
+    def quantizer(self, qtype: str):
+        """get_ostris_quantizer(qtype) of this checkout (it imports its backends when called: this checkout's
+        are put in place for the call); a skip where this version does not ship the qtype."""
+        before = _swap_toolkit(self.modules)
+        try:
+            quantizer = self.ostris.get_ostris_quantizer(qtype)
+        finally:
+            _swap_toolkit(before)
+        if quantizer is None:
+            pytest.skip(f"{self.aitk_dir}: this AI-Toolkit version has no OstrisLinear backend for {qtype!r}")
+        return quantizer

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import aitk_dirs, torchao_codes_and_scale
+from conftest import OstrisToolkit, aitk_dirs, block_bytes, torchao_codes_and_scale
 from layerstream import manager_modules as mm
-from layerstream.aitk import load_memory_management
+from layerstream.aitk import import_toolkit, load_memory_management
 from models import TinyTransformer, apply_lora, train_lora
 
 DIRS = aitk_dirs()
@@ -91,45 +91,12 @@ def test_stock_and_layerstream_agree_on_the_same_checkout(device, engine, aitk_d
     assert torch.equal(outputs[0], outputs[1])
 
 
-def _import_toolkit(aitk_dir, *names, stand_ins=None):
-    """Modules of the checkout's `toolkit` package, imported unchanged (another checkout's may be loaded);
-    `stand_ins` (name: module) are put in place of modules of it first."""
-    import importlib
-    import sys
-
-    for name in [n for n in sys.modules if n == "toolkit" or n.startswith("toolkit.")]:
-        del sys.modules[name]
-    sys.modules.update(stand_ins or {})
-    sys.path.insert(0, aitk_dir)
-    try:
-        return [importlib.import_module(name) for name in names]
-    finally:
-        sys.path.remove(aitk_dir)
-
-
-def _import_ostris(aitk_dir):
-    """AI-Toolkit's own OstrisLinear and its uint4 backend, from the checkout (HEAD has them)."""
-    from pathlib import Path
-
-    if not (Path(aitk_dir) / "toolkit" / "util" / "uintx_quant.py").is_file():
-        pytest.skip(f"{aitk_dir}: this AI-Toolkit version has no OstrisLinear uintx backend")
-    return _import_toolkit(aitk_dir, "toolkit.util.ostris_quant", "toolkit.util.uintx_quant")
-
-
 def _import_quantize(aitk_dir):
-    """AI-Toolkit's own toolkit/util/quantize.py. It imports toolkit.print for one message, which needs
-    accelerate; where accelerate is not installed a stand-in with that one function takes its place."""
-    import importlib.util
-    import types
-
+    """AI-Toolkit's own toolkit/util/quantize.py (toolkit.print stands in where accelerate is missing)."""
     for lib in ("optimum.quanto", "torchao", "tqdm", "safetensors", "huggingface_hub"):
         pytest.importorskip(lib, reason=f"AI-Toolkit's quantize() needs {lib}")
-    stand_ins = {}
-    if importlib.util.find_spec("accelerate") is None:
-        stand_ins["toolkit.print"] = types.ModuleType("toolkit.print")
-        stand_ins["toolkit.print"].print_acc = print
     try:
-        return _import_toolkit(aitk_dir, "toolkit.util.quantize", stand_ins=stand_ins)[0]
+        return import_toolkit(aitk_dir, "toolkit.util.quantize")[0]
     except ImportError as exc:  # 323b4aaf imports UIntXWeightOnlyConfig, which torchao 0.18 no longer has
         pytest.skip(f"{aitk_dir}: its toolkit/util/quantize.py does not import here: {exc}")
 
@@ -138,14 +105,12 @@ def _import_quantize(aitk_dir):
 def test_real_ostris_linear_streams_its_buffers_and_computes_like_itself(engine, device, aitk_dir):
     """AI-Toolkit's quantized linear (uint4, its own packing): its buffers and bias go into one arena block,
     each call stages them through the engine and runs the layer's own quantizer: bitwise its own output."""
-    ostris, uintx = _import_ostris(aitk_dir)
+    toolkit = OstrisToolkit(aitk_dir)
     torch.manual_seed(12)
     layers = []
     for _ in range(3):
         lin = torch.nn.Linear(256, 128).to(torch.bfloat16)
-        quantizer = uintx.UIntXQuantizer(4)
-        quantizer.qtype = "uint4"
-        assert ostris.convert_linear_to_ostris(lin, quantizer)
+        assert toolkit.ostris.convert_linear_to_ostris(lin, toolkit.quantizer("uint4"))
         layers.append(lin.to(device))
     x = torch.randn(4, 256, dtype=torch.bfloat16, device=device)
     with torch.no_grad():
@@ -154,11 +119,7 @@ def test_real_ostris_linear_streams_its_buffers_and_computes_like_itself(engine,
         mm.OstrisLinearLayerMemoryManager.attach(lin, type("M", (), {"process_device": device})())
         lmm = lin._layer_memory_manager
         assert lmm.path == "ostris"
-        sizes = [b.numel() * b.element_size() for b in lin._buffers.values()] + [lin.bias.numel() * 2]
-        expect_bytes = 0
-        for n in sizes:
-            expect_bytes = (expect_bytes + 255) // 256 * 256 + n
-        assert lmm.packed_bytes == expect_bytes
+        assert lmm.packed_bytes == block_bytes(*lin._buffers.values(), lin.bias)
         assert all(b.device.type == "cpu" for b in lin._buffers.values())
         if engine == "cuda":
             assert all(b.is_pinned() for b in lin._buffers.values())
