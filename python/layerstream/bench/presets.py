@@ -1,0 +1,67 @@
+"""The presets (model shapes by name) and the model built from one: bf16 on the CPU, random weights, frozen."""
+
+from __future__ import annotations
+
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .flux import FluxConfig, FluxShapedTransformer
+
+try:
+    from tqdm import tqdm
+except ImportError:  # progress bars only
+    tqdm = None
+
+DTYPE = torch.bfloat16
+
+PRESETS = {
+    "flux1": FluxConfig(hidden=3072, heads=24, double_blocks=19, single_blocks=38, mlp_ratio=4,
+                        img_tokens=4096, txt_tokens=512),
+    "medium": FluxConfig(hidden=3072, heads=24, double_blocks=2, single_blocks=4, mlp_ratio=4,
+                         img_tokens=4096, txt_tokens=512),
+    "small": FluxConfig(hidden=256, heads=4, double_blocks=2, single_blocks=4, mlp_ratio=4,
+                        img_tokens=64, txt_tokens=16),
+    # FLUX.2 [dev] shapes: 32.0B parameters (blocks and the shared modulation), 59.6 GiB of bf16.
+    "flux2": FluxConfig(hidden=6144, heads=48, double_blocks=8, single_blocks=48, mlp_ratio=3,
+                        img_tokens=4096, txt_tokens=512, swiglu=True, bias=False, shared_modulation=True),
+    "flux2-small": FluxConfig(hidden=256, heads=4, double_blocks=2, single_blocks=4, mlp_ratio=3,
+                              img_tokens=64, txt_tokens=16, swiglu=True, bias=False, shared_modulation=True),
+}
+
+
+def _init_parallel(jobs, seed: int) -> None:
+    """Run ``job(generator)`` for each job, job i with its own CPU generator seeded ``seed + i``.
+
+    Per-job seeds make the result independent of thread scheduling, and the thread pool matters: torch's CPU
+    normal_ runs on one core (about 150M elements/s), i.e. over a minute for FLUX.1's 11.85B parameters.
+    """
+    workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+    def run(indexed):
+        index, job = indexed
+        with torch.no_grad():  # grad mode is per thread: in-place init of a parameter needs it off here
+            job(torch.Generator().manual_seed(seed + index))
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        done = pool.map(run, enumerate(jobs))
+        if tqdm is not None:
+            done = tqdm(done, total=len(jobs), desc="initialising weights", unit="tensor", file=sys.stderr)
+        list(done)
+
+
+def build_model(cfg: FluxConfig, checkpointing: bool, seed: int) -> FluxShapedTransformer:
+    """The model in bf16 on the CPU, every parameter N(0, 0.02), frozen. Built on "meta" first so that
+    nothing is allocated twice or initialised twice."""
+    with torch.device("meta"):
+        model = FluxShapedTransformer(cfg, checkpointing).to(DTYPE)
+    model.to_empty(device="cpu")
+    _init_parallel([lambda g, p=p: p.normal_(0.0, 0.02, generator=g) for p in model.parameters()], seed)
+    return model.requires_grad_(False)
+
+
+def preset_weight_bytes(preset: str) -> int:
+    with torch.device("meta"):
+        return sum(p.nbytes for p in FluxShapedTransformer(PRESETS[preset], False).to(DTYPE).parameters())
