@@ -1,5 +1,5 @@
-"""The FLUX-shaped transformer: FLUX.1's and FLUX.2's block layout and layer shapes with random weights; no
-embedders, RoPE or final layer, because only the block linears matter for what is measured."""
+"""The FLUX-shaped transformer: FLUX.1's and FLUX.2's block layout and layer shapes (shaped.py says what is
+left out and why)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+
+from .shaped import ShapedTransformer, gelu_mlp, modulate
 
 
 @dataclass(frozen=True)
@@ -26,9 +27,8 @@ class FluxConfig:
     bias: bool = True
     shared_modulation: bool = False
 
-
-def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x * (1 + scale) + shift
+    def model(self, checkpointing: bool) -> FluxShapedTransformer:
+        return FluxShapedTransformer(self, checkpointing)
 
 
 def _attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
@@ -56,7 +56,7 @@ def _mlp(cfg: FluxConfig) -> nn.Module:
     h, mlp = cfg.hidden, cfg.hidden * cfg.mlp_ratio
     if cfg.swiglu:
         return _SwiGLU(h, mlp, cfg.bias)
-    return nn.Sequential(nn.Linear(h, mlp, bias=cfg.bias), nn.GELU(approximate="tanh"), nn.Linear(mlp, h, bias=cfg.bias))
+    return gelu_mlp(h, mlp, cfg.bias)
 
 
 class _Stream(nn.Module):
@@ -88,14 +88,14 @@ class DoubleStreamBlock(nn.Module):
             img_m, txt_m = self.img.mod(cond), self.txt.mod(cond)
         img_mod = img_m.unsqueeze(1).chunk(6, dim=-1)
         txt_mod = txt_m.unsqueeze(1).chunk(6, dim=-1)
-        img_qkv = self.img.qkv(_modulate(self.img.norm(img), img_mod[0], img_mod[1]))
-        txt_qkv = self.txt.qkv(_modulate(self.txt.norm(txt), txt_mod[0], txt_mod[1]))
+        img_qkv = self.img.qkv(modulate(self.img.norm(img), img_mod[0], img_mod[1]))
+        txt_qkv = self.txt.qkv(modulate(self.txt.norm(txt), txt_mod[0], txt_mod[1]))
         attn = _attention(torch.cat((txt_qkv, img_qkv), dim=1), self.heads)
         txt_attn, img_attn = attn.split((txt.shape[1], img.shape[1]), dim=1)
         img = img + img_mod[2] * self.img.proj(img_attn)
-        img = img + img_mod[5] * self.img.mlp(_modulate(self.img.norm(img), img_mod[3], img_mod[4]))
+        img = img + img_mod[5] * self.img.mlp(modulate(self.img.norm(img), img_mod[3], img_mod[4]))
         txt = txt + txt_mod[2] * self.txt.proj(txt_attn)
-        txt = txt + txt_mod[5] * self.txt.mlp(_modulate(self.txt.norm(txt), txt_mod[3], txt_mod[4]))
+        txt = txt + txt_mod[5] * self.txt.mlp(modulate(self.txt.norm(txt), txt_mod[3], txt_mod[4]))
         return img, txt
 
 
@@ -119,7 +119,7 @@ class SingleStreamBlock(nn.Module):
         if m is None:
             m = self.mod(F.silu(vec))
         shift, scale, gate = m.unsqueeze(1).chunk(3, dim=-1)
-        qkv, mlp = self.linear1(_modulate(self.norm(x), shift, scale)).split(self.split, dim=-1)
+        qkv, mlp = self.linear1(modulate(self.norm(x), shift, scale)).split(self.split, dim=-1)
         if self.swiglu:
             g, v = mlp.chunk(2, dim=-1)
             hidden = F.silu(g) * v
@@ -129,10 +129,9 @@ class SingleStreamBlock(nn.Module):
         return x + gate * out
 
 
-class FluxShapedTransformer(nn.Module):
+class FluxShapedTransformer(ShapedTransformer):
     def __init__(self, cfg: FluxConfig, checkpointing: bool):
-        super().__init__()
-        self.checkpointing = checkpointing
+        super().__init__(checkpointing)
         self.double_blocks = nn.ModuleList(DoubleStreamBlock(cfg) for _ in range(cfg.double_blocks))
         self.single_blocks = nn.ModuleList(SingleStreamBlock(cfg) for _ in range(cfg.single_blocks))
         self.shared = cfg.shared_modulation
@@ -142,10 +141,8 @@ class FluxShapedTransformer(nn.Module):
             self.double_mod_txt = nn.Linear(h, 6 * h, bias=cfg.bias)
             self.single_mod = nn.Linear(h, 3 * h, bias=cfg.bias)
 
-    def _run(self, block: nn.Module, *inputs):
-        if self.checkpointing and torch.is_grad_enabled():
-            return checkpoint(block, *inputs, use_reentrant=False)
-        return block(*inputs)
+    def block_lists(self) -> tuple[nn.ModuleList, ...]:
+        return self.double_blocks, self.single_blocks
 
     def forward(self, img: torch.Tensor, txt: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
         double_mods, single_mods = (), ()

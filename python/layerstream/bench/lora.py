@@ -7,8 +7,8 @@ import math
 import torch
 from torch import nn
 
-from .flux import FluxShapedTransformer
 from .presets import DTYPE, _init_parallel
+from .shaped import ShapedTransformer
 
 
 class LoRAModule(nn.Module):
@@ -39,11 +39,10 @@ class LoRAModule(nn.Module):
         return self.org_forward(x) + self.lora_up(self.lora_down(x)) * self.scale
 
 
-def apply_lora(model: FluxShapedTransformer, rank: int, nonzero_up: bool, device: torch.device,
+def apply_lora(model: ShapedTransformer, rank: int, nonzero_up: bool, device: torch.device,
                seed: int) -> nn.ModuleList:
     """A LoRA on every linear inside the blocks; returns the network (the trainable parameters)."""
-    targets = [m for blocks in (model.double_blocks, model.single_blocks)
-               for m in blocks.modules() if isinstance(m, nn.Linear)]
+    targets = [m for blocks in model.block_lists() for m in blocks.modules() if isinstance(m, nn.Linear)]
     with torch.device("meta"):
         network = nn.ModuleList(LoRAModule(base, rank, alpha=float(rank)) for base in targets)
     network.to_empty(device="cpu")

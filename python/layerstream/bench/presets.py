@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .flux import FluxConfig, FluxShapedTransformer
+from .flux import FluxConfig
+from .shaped import ShapedTransformer
 
 try:
     from tqdm import tqdm
@@ -52,11 +53,11 @@ def _init_parallel(jobs, seed: int) -> None:
         list(done)
 
 
-def build_model(cfg: FluxConfig, checkpointing: bool, seed: int) -> FluxShapedTransformer:
-    """The model in bf16 on the CPU, every parameter N(0, 0.02), frozen. Built on "meta" first so that
-    nothing is allocated twice or initialised twice."""
+def build_model(cfg, checkpointing: bool, seed: int) -> ShapedTransformer:
+    """The model of a preset's config in bf16 on the CPU, every parameter N(0, 0.02), frozen. Built on "meta"
+    first so that nothing is allocated twice or initialised twice."""
     with torch.device("meta"):
-        model = FluxShapedTransformer(cfg, checkpointing).to(DTYPE)
+        model = cfg.model(checkpointing).to(DTYPE)
     model.to_empty(device="cpu")
     _init_parallel([lambda g, p=p: p.normal_(0.0, 0.02, generator=g) for p in model.parameters()], seed)
     return model.requires_grad_(False)
@@ -64,4 +65,4 @@ def build_model(cfg: FluxConfig, checkpointing: bool, seed: int) -> FluxShapedTr
 
 def preset_weight_bytes(preset: str) -> int:
     with torch.device("meta"):
-        return sum(p.nbytes for p in FluxShapedTransformer(PRESETS[preset], False).to(DTYPE).parameters())
+        return sum(p.nbytes for p in PRESETS[preset].model(False).to(DTYPE).parameters())

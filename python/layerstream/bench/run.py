@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from .counting import StockCopyCounter, layerstream_stats, managed_tensors, stock_pinned_bytes
-from .flux import FluxShapedTransformer
 from .lora import apply_lora
 from .measure import GiB, _Nvml, _sync, _timed, peak_rss_bytes, phase_split
 from .presets import DTYPE, PRESETS, build_model
@@ -72,7 +71,7 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
             return _skipped(mode, reason)
 
     with torch.device("meta"):
-        shapes_only = FluxShapedTransformer(cfg, args.checkpointing).to(DTYPE)
+        shapes_only = cfg.model(args.checkpointing).to(DTYPE)
     weight_bytes = sum(p.nbytes for p in shapes_only.parameters())
     cap = int(args.vram_cap_gb * GiB) if args.vram_cap_gb and device.type == "cuda" else None
     if mode == "resident" and cap is not None and weight_bytes > cap:
