@@ -1,10 +1,14 @@
-"""LoRA training step on a FLUX.1-shaped transformer: all resident, AI-Toolkit's stock offloading, layerstream.
+"""LoRA training step on a FLUX-, Qwen-Image- or Wan-shaped transformer: all resident, AI-Toolkit's stock
+offloading, layerstream.
 
-The model has FLUX.1's block layout and layer shapes (19 double-stream and 38 single-stream blocks at hidden
-3072, about 11.85B bf16 parameters) with random weights; no embedders, RoPE or final layer, because only the
-block linears matter for what is measured: how long a training step takes when those weights stream over
-PCIe. A rank-128 LoRA wraps every block linear the way AI-Toolkit's LoRA network does (after the memory
-manager has attached, so the LoRA's ``org_forward`` is the manager's forward), and AdamW trains it.
+The model (``--preset``) has a real model's block layout and layer shapes with random weights: flux1 (FLUX.1,
+19 double-stream and 38 single-stream blocks at hidden 3072, 11.85B bf16 parameters), flux2 (FLUX.2 [dev], 32.0B),
+qwen-image (Qwen-Image, 60 dual-stream blocks at 3072, 20.4B), wan22 (one Wan 2.2 14B expert, 40 blocks at 5120
+over 32,760 video tokens, 14.2B), each with smaller variants (medium: full width, few blocks; small: toy size).
+No embedders, RoPE or final layer, because only the block linears matter for what is measured: how long a
+training step takes when those weights stream over PCIe. A rank-128 LoRA wraps every block linear the way
+AI-Toolkit's LoRA network does (after the memory manager has attached, so the LoRA's ``org_forward`` is the
+manager's forward), and AdamW trains it.
 
 Modes (``--mode``):
   resident     the whole model on the device: the compute time T_compute of a step
@@ -150,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     weight_bytes = preset_weight_bytes(args.preset)
     if not cuda and not args.force and weight_bytes > CPU_LIMIT_BYTES:
         print(f"layerstream bench: error: no GPU here, and --preset {args.preset} builds {weight_bytes / GiB:.1f} GiB "
-              f"of weights on the CPU (hours per mode). Use --preset small or flux2-small, or pass --force",
+              "of weights on the CPU (hours per mode). Use --preset small (or flux2-small, qwen-image-small, "
+              "wan22-small), or pass --force",
               file=sys.stderr)
         return 2
     reference = None if args.child else reference_row(args.reference_json)  # before the runs: fail fast

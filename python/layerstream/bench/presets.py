@@ -9,7 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .flux import FluxConfig
+from .qwen import QwenImageConfig
 from .shaped import ShapedTransformer
+from .wan import WanConfig
 
 try:
     from tqdm import tqdm
@@ -30,6 +32,17 @@ PRESETS = {
                         img_tokens=4096, txt_tokens=512, swiglu=True, bias=False, shared_modulation=True),
     "flux2-small": FluxConfig(hidden=256, heads=4, double_blocks=2, single_blocks=4, mlp_ratio=3,
                               img_tokens=64, txt_tokens=16, swiglu=True, bias=False, shared_modulation=True),
+    # Qwen-Image shapes (60 dual-stream blocks at 3072, 24 heads of 128, MLP 4x): 20.4B parameters, 38.0 GiB of
+    # bf16; a 1024x1024 image (4096 tokens) and 512 text tokens.
+    "qwen-image": QwenImageConfig(hidden=3072, heads=24, blocks=60, mlp_ratio=4, img_tokens=4096, txt_tokens=512),
+    "qwen-image-medium": QwenImageConfig(hidden=3072, heads=24, blocks=2, mlp_ratio=4, img_tokens=4096,
+                                         txt_tokens=512),
+    "qwen-image-small": QwenImageConfig(hidden=256, heads=4, blocks=2, mlp_ratio=4, img_tokens=64, txt_tokens=16),
+    # Wan 2.2 14B shapes (one of A14B's two experts; 40 blocks at 5120, 40 heads of 128, FFN 13824): 14.2B
+    # parameters, 26.5 GiB of bf16; 81 frames at 480x832 (32,760 video tokens) and 512 text tokens.
+    "wan22": WanConfig(hidden=5120, heads=40, blocks=40, ffn=13824, img_tokens=32760, txt_tokens=512),
+    "wan22-medium": WanConfig(hidden=5120, heads=40, blocks=2, ffn=13824, img_tokens=32760, txt_tokens=512),
+    "wan22-small": WanConfig(hidden=256, heads=4, blocks=2, ffn=704, img_tokens=96, txt_tokens=16),
 }
 
 

@@ -62,6 +62,16 @@ def load_engine(args, engine: str):
         return None, f"cannot load the {engine} engine: {type(exc).__name__}: {exc}"
 
 
+def attach_manager(package, model, device: torch.device, offload_percent: float, seed: int) -> None:
+    """AI-Toolkit's MemoryManager.attach as its model classes call it, then the model to ``device`` (the patched
+    .to moves only what the manager does not stream)."""
+    random.seed(seed)  # AI-Toolkit picks the layers left resident with random.random()
+    loose = model.loose_parameters()
+    extra = {"ignore_modules": loose} if loose else {}  # as AI-Toolkit's Wan models pass their tables
+    package.MemoryManager.attach(model, device, offload_percent=offload_percent, **extra)
+    model.to(device)
+
+
 def run_mode(args, mode: str, device: torch.device) -> dict:
     cfg = PRESETS[args.preset]
     package = None
@@ -107,9 +117,7 @@ def run_mode(args, mode: str, device: torch.device) -> dict:
         model.to(device)
     else:
         print(f"[{mode}] attaching AI-Toolkit's MemoryManager to the model ...", flush=True)
-        random.seed(args.seed)  # AI-Toolkit picks the layers left resident with random.random()
-        package.MemoryManager.attach(model, device, offload_percent=args.offload_percent)
-        model.to(device)  # the patched .to moves only the unmanaged modules
+        attach_manager(package, model, device, args.offload_percent, args.seed)
     network = apply_lora(model, args.rank, args.lora_init_nonzero, device, seed=args.seed + 1)
     place_s = time.perf_counter() - t0
     print(f"[{mode}] placed the model and applied LoRA in {place_s:.1f} s", flush=True)

@@ -30,6 +30,11 @@ class ShapedTransformer(nn.Module):
         target the blocks)."""
         raise NotImplementedError
 
+    def loose_parameters(self) -> list[nn.Parameter]:
+        """Parameters held by a block itself rather than by a layer in it: AI-Toolkit's MemoryManager moves them
+        only when attach() is given them as ``ignore_modules`` (its Wan models pass their ``scale_shift_table``)."""
+        return []
+
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x * (1 + scale) + shift
