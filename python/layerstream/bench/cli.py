@@ -23,6 +23,8 @@ the floor max(T_compute, bytes_per_step / pinned H2D bandwidth) (docs/benchmarks
 Examples (`layerstream bench` and `python benchmarks/flux_bench.py` are the same entry point):
   layerstream bench --preset flux1 --mode all --aitk-dir /path/to/ai-toolkit --md-out bench.md
   layerstream bench --preset flux1 --mode all --vram-cap-gb 24 --aitk-dir /path/to/ai-toolkit
+  layerstream bench --preset qwen-image --mode stock,layerstream --stock-sweep 0.25,0.5,0.75,1.0 \
+      --vram-cap-gb 24 --aitk-dir /path/to/ai-toolkit       # stock at its best offload_percent under 24 GiB
   layerstream bench --preset small --mode resident          # CPU smoke test
 """
 
@@ -39,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from . import sweep
 from .measure import GiB, measure_h2d_bytes_per_s
 from .presets import PRESETS, preset_weight_bytes
 from .report import add_floors, reference_row, report
@@ -61,22 +64,25 @@ def _strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
     return out
 
 
-def run_all(argv: list[str], modes: list[str]) -> list[dict]:
-    """Every mode in its own process: peak VRAM and RSS are per-process high-water marks."""
-    child_argv = _strip_options(argv, ("--mode", "--json-out", "--md-out"))
+def run_all(argv: list[str], runs: list[tuple[str, float | None]]) -> list[dict]:
+    """Every run in its own process: peak VRAM and RSS are per-process high-water marks. A run is a mode, or
+    (stock, an offload_percent) of --stock-sweep (see sweep.jobs)."""
+    child_argv = _strip_options(argv, ("--mode", "--json-out", "--md-out", "--stock-sweep"))
     rows = []
     with tempfile.TemporaryDirectory(prefix="flux_bench_") as tmp:
-        for mode in modes:
-            out = Path(tmp) / f"{mode}.json"
-            cmd = [sys.executable, "-m", "layerstream.bench", *child_argv, "--mode", mode, "--json-out", str(out),
+        for index, (mode, percent) in enumerate(runs):
+            out = Path(tmp) / f"{index}-{mode}.json"
+            own = [] if percent is None else ["--offload-percent", str(percent)]
+            base = child_argv if percent is None else _strip_options(child_argv, ("--offload-percent",))
+            cmd = [sys.executable, "-m", "layerstream.bench", *base, *own, "--mode", mode, "--json-out", str(out),
                    "--child"]
             print(f"== {mode}: {shlex.join(cmd)}", flush=True)
             code = subprocess.run(cmd).returncode
             if out.is_file():
-                rows.append(json.loads(out.read_text())["results"][0])
+                row = json.loads(out.read_text())["results"][0]
             else:
-                rows.append({"mode": mode, "status": "failed",
-                             "reason": f"exit code {code}, no result (see its output above)"})
+                row = {"mode": mode, "status": "failed", "reason": f"exit code {code}, no result (see its output above)"}
+            rows.append(row if percent is None else sweep.mark(row, percent))
     return rows
 
 
@@ -92,6 +98,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--offload-percent", type=float, default=1.0,
                         help="AI-Toolkit's offload_percent: the fraction of linears the manager takes over")
     parser.add_argument("--vram-cap-gb", type=float, help="cap this process's VRAM at this many GiB")
+    parser.add_argument("--stock-sweep", metavar="PERCENTS",
+                        help="run stock at each of these offload_percents (comma-separated, e.g. 0.25,0.5,0.75,1.0), "
+                             "each in its own process under the same cap; a run out of device memory is a row, and "
+                             "the fastest of the others is stock's best")
     parser.add_argument("--reference-json", help="the --json-out of an earlier run with a resident row: its "
                         "compute times give the floors of this run when it has no resident mode of its own")
     parser.add_argument("--timeline-out", help="GPU: profile one extra step per streamed mode and draw its copies "
@@ -144,6 +154,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--mode: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)} or all")
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.stock_sweep is not None:
+        if "stock" not in args.modes:
+            parser.error("--stock-sweep runs the stock mode: add stock to --mode")
+        try:
+            args.stock_sweep = sweep.parse_percents(args.stock_sweep)
+        except ValueError as exc:
+            parser.error(f"--stock-sweep: {exc}")
     return args
 
 
@@ -159,8 +176,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     reference = None if args.child else reference_row(args.reference_json)  # before the runs: fail fast
-    if len(args.modes) > 1:
-        rows = run_all(argv, args.modes)
+    runs = sweep.jobs(args.modes, args.stock_sweep)
+    if len(runs) > 1 or args.stock_sweep:
+        rows = run_all(argv, runs)
+        sweep.pick_best(rows)
     else:
         device = torch.device("cuda") if cuda else torch.device("cpu")
         torch.manual_seed(args.seed)
@@ -174,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     h2d = measure_h2d_bytes_per_s() if cuda else None
     t_compute = add_floors(rows, h2d, reference)
     report(args, rows, h2d, t_compute)
-    return 0 if all(r["status"] != "failed" for r in rows) else 1
+    # Out of memory is a result in a sweep (that offload_percent does not fit), a failure anywhere else.
+    return 0 if all(r["status"] != "failed" and (r["status"] != "oom" or r.get("stock_sweep")) for r in rows) else 1
 
 
 if __name__ == "__main__":

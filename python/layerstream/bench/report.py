@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from . import sweep
 from .measure import GiB
 from .presets import PRESETS
 
@@ -70,6 +71,11 @@ def _fmt(value, scale: float = 1.0, digits: int = 2) -> str:
     return "-" if value is None else f"{value / scale:.{digits}f}"
 
 
+def label(row: dict) -> str:
+    """The row's name in the table: its mode, or a stock sweep run's offload_percent (the best one marked)."""
+    return row.get("label", row["mode"]) + (" (best)" if row.get("stock_best") else "")
+
+
 def markdown_table(rows: list[dict]) -> str:
     lines = [
         "| mode | s/step mean (min) | peak VRAM GiB alloc / reserved | peak RSS GiB | pinned GiB (exact) "
@@ -78,12 +84,17 @@ def markdown_table(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if r["status"] == "oom":  # how far it got: the peaks at the failed allocation
+            lines.append(f"| {label(r)} | {r['status']}: {r['reason']} "
+                         f"| {_fmt(r['peak_vram_allocated_bytes'], GiB)} / {_fmt(r['peak_vram_reserved_bytes'], GiB)} "
+                         f"| {_fmt(r['peak_rss_bytes'], GiB)} | | | | | | | | | |")
+            continue
         if r["status"] != "ok":
-            lines.append(f"| {r['mode']} | {r['status']}: {r['reason']} | | | | | | | | | | | |")
+            lines.append(f"| {label(r)} | {r['status']}: {r['reason']} | | | | | | | | | | | |")
             continue
         exact = "" if r["pinned_bytes_exact"] is None else f" ({_fmt(r['pinned_bytes_exact'], GiB)})"
         lines.append(
-            f"| {r['mode']} | {_fmt(r['s_per_step_mean'], digits=3)} ({_fmt(r['s_per_step_min'], digits=3)}) "
+            f"| {label(r)} | {_fmt(r['s_per_step_mean'], digits=3)} ({_fmt(r['s_per_step_min'], digits=3)}) "
             f"| {_fmt(r['peak_vram_allocated_bytes'], GiB)} / {_fmt(r['peak_vram_reserved_bytes'], GiB)} "
             f"| {_fmt(r['peak_rss_bytes'], GiB)} | {_fmt(r['pinned_bytes'], GiB)}{exact} "
             f"| {_fmt(r['bytes_per_step'], GiB)} | {_fmt(r['floor_s'], digits=3)} "
@@ -107,6 +118,8 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
         "vram_cap_gb": args.vram_cap_gb, "warmup": args.warmup, "steps": args.steps, "seed": args.seed,
         "h2d_bytes_per_s": h2d_bytes_per_s, "t_compute_s": t_compute,
     }
+    if args.stock_sweep:
+        meta["stock_sweep"] = args.stock_sweep
     table = markdown_table(rows)
     summary = (
         f"pinned H2D: {_fmt(h2d_bytes_per_s, 1e9)} GB/s (1 GB = 1e9 B); T_compute: {_fmt(t_compute, digits=3)} s; "
@@ -117,7 +130,11 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
     print()
     print(table)
     print(summary)
-    losses = "\n".join(f"  {r['mode']}: {', '.join(f'{x:.6g}' for x in r['losses'])}"
+    best = sweep.summary(rows, args.vram_cap_gb)
+    if best:
+        print(best)
+        summary += "\n\n" + best
+    losses = "\n".join(f"  {label(r)}: {', '.join(f'{x:.6g}' for x in r['losses'])}"
                        for r in rows if r["status"] == "ok")
     if losses:
         print("losses per step (warmup included):\n" + losses)
@@ -140,6 +157,7 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
             f"- command: `{meta['command']}`\n- date: {meta['date']}\n- GPU: {meta['gpu'] or 'none (CPU)'}\n"
             f"- torch: {meta['torch']}\n- config: {meta['config']}, checkpointing {args.checkpointing}, LoRA rank "
             f"{args.rank}, offload_percent {args.offload_percent}, VRAM cap {args.vram_cap_gb or 'none'} GiB"
+            f"{f', stock swept over offload_percent {args.stock_sweep}' if args.stock_sweep else ''}"
             f"{f', layerstream host dtype {args.host_dtype}' if args.host_dtype else ''}"
             f"{f', weights quantized to {args.quantize} (optimum-quanto)' if args.quantize else ''}\n\n"
             f"{table}\n\n{summary}\n\nlosses per step (warmup included):\n\n{losses}\n"
@@ -156,7 +174,7 @@ def budget_plans(rows: list[dict]) -> str:
             continue
         measured = r.get("bytes_per_step")
         lines.append(
-            f"  {r['mode']}: VRAM budget plan: ring {s.get('ring_bytes', 0) / 2**20:.1f} MiB, "
+            f"  {label(r)}: VRAM budget plan: ring {s.get('ring_bytes', 0) / 2**20:.1f} MiB, "
             f"{s.get('resident_layers', 0)} layers ({s.get('resident_bytes', 0) / 2**20:.1f} MiB) resident; "
             f"estimated {s.get('vram_budget_estimate', 0) / 2**20:.1f} MiB/step over the bus, measured "
             f"{'-' if measured is None else f'{measured / 2**20:.1f}'}"

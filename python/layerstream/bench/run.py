@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import time
 
 import torch
@@ -81,6 +82,31 @@ def _place(args, mode: str, package, model, device: torch.device):
 
 
 def run_mode(args, mode: str, device: torch.device) -> dict:
+    """The mode's row: measured ("ok"), "skipped" with the reason, or "oom" where the device ran out of memory
+    (under --vram-cap-gb, stock's lower offload_percents do): a row, not a crash."""
+    try:
+        return _run_mode(args, mode, device)
+    except RuntimeError as exc:  # torch.OutOfMemoryError is one, and so is an engine's CUDA allocation error
+        if not isinstance(exc, torch.OutOfMemoryError) and "out of memory" not in str(exc).lower():
+            raise
+        return _out_of_memory(mode, device, exc)
+
+
+def _out_of_memory(mode: str, device: torch.device, exc: BaseException) -> dict:
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    tried = re.search(r"Tried to allocate ([0-9.]+ [KMGT]?i?B)", message)
+    reason = "out of device memory" + (f" (tried to allocate {tried.group(1)})" if tried else "")
+    print(f"[{mode}] {reason}: {type(exc).__name__}: {message}", flush=True)
+    row = {"mode": mode, "status": "oom", "reason": reason, "error": f"{type(exc).__name__}: {message}",
+           "device": str(device), "peak_vram_allocated_bytes": None, "peak_vram_reserved_bytes": None,
+           "peak_rss_bytes": peak_rss_bytes()}
+    if device.type == "cuda":
+        row["peak_vram_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        row["peak_vram_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    return row
+
+
+def _run_mode(args, mode: str, device: torch.device) -> dict:
     cfg = PRESETS[args.preset]
     package = None
     if mode != "resident":
