@@ -37,12 +37,12 @@ PRESETS = {
     "qwen-image": QwenImageConfig(hidden=3072, heads=24, blocks=60, mlp_ratio=4, img_tokens=4096, txt_tokens=512),
     "qwen-image-medium": QwenImageConfig(hidden=3072, heads=24, blocks=2, mlp_ratio=4, img_tokens=4096,
                                          txt_tokens=512),
-    "qwen-image-small": QwenImageConfig(hidden=256, heads=4, blocks=2, mlp_ratio=4, img_tokens=64, txt_tokens=16),
+    "qwen-image-small": QwenImageConfig(hidden=128, heads=2, blocks=2, mlp_ratio=4, img_tokens=32, txt_tokens=8),
     # Wan 2.2 14B shapes (one of A14B's two experts; 40 blocks at 5120, 40 heads of 128, FFN 13824): 14.2B
     # parameters, 26.5 GiB of bf16; 81 frames at 480x832 (32,760 video tokens) and 512 text tokens.
     "wan22": WanConfig(hidden=5120, heads=40, blocks=40, ffn=13824, img_tokens=32760, txt_tokens=512),
     "wan22-medium": WanConfig(hidden=5120, heads=40, blocks=2, ffn=13824, img_tokens=32760, txt_tokens=512),
-    "wan22-small": WanConfig(hidden=256, heads=4, blocks=2, ffn=704, img_tokens=96, txt_tokens=16),
+    "wan22-small": WanConfig(hidden=128, heads=2, blocks=2, ffn=352, img_tokens=48, txt_tokens=8),
 }
 
 
