@@ -1,17 +1,17 @@
 """The benchmark's Qwen-Image- and Wan-shaped presets at toy size: AI-Toolkit's MemoryManager finds every weight
-of them (every streamed layer an nn.Linear, the rest on the list of what its .to moves), and a checkpointed bf16
-LoRA training run loses exactly the same on the stock manager and on layerstream (the simulator) as all
-resident. In-process, on the CPU: a few seconds per preset."""
+of them (every streamed layer an nn.Linear, the rest on the list of what its .to moves), and a checkpointed LoRA
+training run, bf16 or torchao float8, loses exactly the same on the stock manager and on layerstream (the
+simulator) as all resident. In-process, on the CPU: a few seconds per preset."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import aitk_dirs, clear_device_states
+from conftest import aitk_dirs, clear_device_states, torchao_codes_and_scale
 from layerstream import manager_modules as mm
 from layerstream.aitk import load_memory_management
-from layerstream.bench import PRESETS, build_model, parse_args, run_mode
+from layerstream.bench import PRESETS, build_model, parse_args, quantize_model, run_mode
 from layerstream.bench.run import attach_manager
 
 NEW_FAMILIES = ["qwen-image-small", "wan22-small"]
@@ -44,13 +44,16 @@ def test_the_manager_streams_every_linear_and_moves_everything_else(preset):
     assert [name for name, p in others if id(p) not in moved] == []
 
 
-@pytest.mark.parametrize("preset", NEW_FAMILIES)
-def test_checkpointed_bf16_losses_are_bitwise_alike_in_every_mode(preset, monkeypatch):
+@pytest.mark.parametrize("preset, quantize", [(p, None) for p in NEW_FAMILIES] + [("wan22-small", "float8")])
+def test_checkpointed_losses_are_bitwise_alike_in_every_mode(preset, quantize, monkeypatch):
+    """bf16, and torchao's float8 weights as AI-Toolkit quantizes them with layer offloading."""
     aitk = _aitk_dir()
+    if quantize:
+        pytest.importorskip("torchao.quantization", reason="--quantize float8 needs torchao")
     monkeypatch.setenv("LAYERSTREAM_BACKEND", "sim")
     monkeypatch.setenv("LAYERSTREAM_TIME_WAITS", "1")  # run_mode sets it when unset: restored after the test
     args = parse_args(["--preset", preset, "--rank", "4", "--lora-init-nonzero", "--warmup", "1", "--steps", "1",
-                       "--aitk-dir", aitk])
+                       "--aitk-dir", aitk] + (["--quantize", quantize] if quantize else []))
     assert args.checkpointing
     clear_device_states()
     rows = {mode: run_mode(args, mode, torch.device("cpu")) for mode in ("resident", "stock", "layerstream")}
@@ -59,8 +62,14 @@ def test_checkpointed_bf16_losses_are_bitwise_alike_in_every_mode(preset, monkey
     assert len(resident) == 2 and resident[0] != resident[1]  # the first step trained the LoRA
     assert rows["stock"]["losses"] == resident
     assert rows["layerstream"]["losses"] == resident
-    # Both managers moved every streamed weight: stock counted at its calls, layerstream's engine.
-    assert rows["stock"]["bytes_per_step"] > rows["stock"]["managed_bytes"]
-    assert rows["layerstream"]["bytes_per_step"] > rows["layerstream"]["managed_bytes"]
+    # Stock stages every weight at each call (its bytes counted at its calls); layerstream's engine copied.
+    assert rows["stock"]["bytes_per_step"] > rows["stock"]["managed_bytes"] > 0
+    assert rows["layerstream"]["bytes_per_step"] > 0
     assert mm.stats()["sim_races"] == 0
     clear_device_states()
+    if quantize:  # the managed bytes are the stored ones: codes, scales and biases, not the bf16 they stand for
+        model = build_model(PRESETS[preset], checkpointing=True, seed=0)
+        quantize_model(model, quantize)
+        stored = sum(sum(t.nbytes for t in torchao_codes_and_scale(m.weight)) + m.bias.nbytes
+                     for m in model.modules() if type(m) is torch.nn.Linear)
+        assert rows["stock"]["managed_bytes"] == rows["layerstream"]["managed_bytes"] == stored

@@ -44,6 +44,7 @@ import torch
 from . import sweep
 from .measure import GiB, measure_h2d_bytes_per_s
 from .presets import PRESETS, preset_weight_bytes
+from .quant import QTYPES
 from .report import add_floors, reference_row, report
 from .run import run_mode
 
@@ -106,8 +107,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "compute times give the floors of this run when it has no resident mode of its own")
     parser.add_argument("--timeline-out", help="GPU: profile one extra step per streamed mode and draw its copies "
                                                    "against its kernels into FILE-<mode>.png")
-    parser.add_argument("--quantize", choices=("qfloat8", "qint8"),
-                        help="quantize every linear with optimum-quanto (weights only, frozen) in every mode")
+    parser.add_argument("--quantize", choices=QTYPES,
+                        help="quantize every linear's weight in every mode (frozen): qfloat8 or qint8 with "
+                             "optimum-quanto, float8 with torchao's Float8WeightOnlyConfig (what AI-Toolkit uses "
+                             "with layer_offloading)")
     parser.add_argument("--host-dtype", choices=("lossless", "float8_e4m3fn", "float8_e5m2"),
                         help="layerstream mode only: LAYERSTREAM_HOST_DTYPE, frozen weights kept and streamed "
                              "packed exactly in about 12 bits per value (lossless) or as 8-bit codes with a scale "

@@ -8,9 +8,13 @@ from torch import nn
 
 
 def stored_tensors(t: torch.Tensor) -> list[torch.Tensor]:
-    """What a weight or bias is stored as: a quantized weight (optimum-quanto) as its inner codes and scale,
-    which are what is pinned and moved, not the dtype it dequantizes to."""
-    return [t._data, t._scale] if hasattr(t, "_data") and hasattr(t, "_scale") else [t]
+    """What a weight or bias is stored as: a quantized weight (optimum-quanto's, torchao's: a tensor subclass)
+    as the plain tensors inside it, its codes and scale, which are what is pinned and moved, not the dtype it
+    dequantizes to (whose size the subclass reports as its own)."""
+    if not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [inner for name in names for inner in stored_tensors(getattr(t, name))]
 
 
 def managed_tensors(model: nn.Module) -> list[torch.Tensor]:

@@ -67,6 +67,19 @@ def phase_floor(resident: dict | None, row: dict, h2d_bytes_per_s: float | None)
             max(bwd, mine["backward_bytes"] / h2d_bytes_per_s))
 
 
+_LIBRARY = {"qfloat8": "optimum-quanto", "qint8": "optimum-quanto", "float8": "torchao"}
+
+
+def _library_version(name: str) -> str:
+    """"torchao 0.10.0", or the name alone where it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"{name} {version(name)}"
+    except PackageNotFoundError:
+        return name
+
+
 def _fmt(value, scale: float = 1.0, digits: int = 2) -> str:
     return "-" if value is None else f"{value / scale:.{digits}f}"
 
@@ -120,6 +133,8 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
     }
     if args.stock_sweep:
         meta["stock_sweep"] = args.stock_sweep
+    if args.quantize:
+        meta["quantize_library"] = _library_version(_LIBRARY[args.quantize])
     table = markdown_table(rows)
     summary = (
         f"pinned H2D: {_fmt(h2d_bytes_per_s, 1e9)} GB/s (1 GB = 1e9 B); T_compute: {_fmt(t_compute, digits=3)} s; "
@@ -152,6 +167,7 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2, default=str) + "\n")
     if args.md_out:
+        quantized = f", weights quantized to {args.quantize} ({meta['quantize_library']})" if args.quantize else ""
         Path(args.md_out).write_text(
             f"# flux_bench: {args.preset}, mode {args.mode}\n\n"
             f"- command: `{meta['command']}`\n- date: {meta['date']}\n- GPU: {meta['gpu'] or 'none (CPU)'}\n"
@@ -159,7 +175,7 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
             f"{args.rank}, offload_percent {args.offload_percent}, VRAM cap {args.vram_cap_gb or 'none'} GiB"
             f"{f', stock swept over offload_percent {args.stock_sweep}' if args.stock_sweep else ''}"
             f"{f', layerstream host dtype {args.host_dtype}' if args.host_dtype else ''}"
-            f"{f', weights quantized to {args.quantize} (optimum-quanto)' if args.quantize else ''}\n\n"
+            f"{quantized}\n\n"
             f"{table}\n\n{summary}\n\nlosses per step (warmup included):\n\n{losses}\n"
         )
 
