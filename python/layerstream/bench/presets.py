@@ -41,6 +41,9 @@ PRESETS = {
     # Wan 2.2 14B shapes (one of A14B's two experts; 40 blocks at 5120, 40 heads of 128, FFN 13824): 14.2B
     # parameters, 26.5 GiB of bf16; 81 frames at 480x832 (32,760 video tokens) and 512 text tokens.
     "wan22": WanConfig(hidden=5120, heads=40, blocks=40, ffn=13824, img_tokens=32760, txt_tokens=512),
+    # The same at 41 frames (11 x 30 x 52 = 17,160 video tokens): 81 frames' activations alone (12.5 GiB of block
+    # inputs kept for the checkpoints, 10 GiB saved in a block's recompute) do not fit a 24 GiB GPU.
+    "wan22-41f": WanConfig(hidden=5120, heads=40, blocks=40, ffn=13824, img_tokens=17160, txt_tokens=512),
     "wan22-medium": WanConfig(hidden=5120, heads=40, blocks=2, ffn=13824, img_tokens=32760, txt_tokens=512),
     "wan22-small": WanConfig(hidden=128, heads=2, blocks=2, ffn=352, img_tokens=48, txt_tokens=8),
 }
