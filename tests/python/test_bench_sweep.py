@@ -41,16 +41,18 @@ def test_running_out_of_device_memory_is_a_row(monkeypatch):
 
 
 def test_the_sweep_picks_the_fastest_stock_run_that_fits():
-    rows = [sweep.mark({"mode": "stock", "status": "oom", "reason": "out of device memory"}, 0.25),
+    rows = [sweep.mark({"mode": "stock", "status": "skipped", "reason": "more than the cap"}, 0.1),
+            sweep.mark({"mode": "stock", "status": "oom", "reason": "out of device memory"}, 0.25),
             sweep.mark({"mode": "stock", "status": "ok", "s_per_step_mean": 3.0}, 0.5),
             sweep.mark({"mode": "stock", "status": "ok", "s_per_step_mean": 2.0}, 1.0),
             {"mode": "layerstream", "status": "ok", "s_per_step_mean": 1.0}]
-    assert sweep.pick_best(rows) is rows[2] and [r.get("stock_best", False) for r in rows] == [False, False, True, False]
+    assert sweep.pick_best(rows) is rows[3] and [r.get("stock_best", False) for r in rows] == [
+        False, False, False, True, False]
     assert sweep.summary(rows, 24.0) == ("stock's best offload_percent under the 24 GiB cap: 1 at 2.000 s/step; "
-                                         "out of memory at 0.25; layerstream 1.000 s/step (2.00x as fast as "
-                                         "stock's best)")
-    assert sweep.summary(rows[3:], 24.0) == ""  # no sweep, no line
-    none_fit = rows[:1] + rows[3:]
+                                         "out of memory at 0.25; skipped at 0.1; layerstream 1.000 s/step (2.00x "
+                                         "as fast as stock's best)")
+    assert sweep.summary(rows[4:], 24.0) == ""  # no sweep, no line
+    none_fit = rows[1:2] + rows[4:]
     assert sweep.pick_best(none_fit) is None
     assert sweep.summary(none_fit, None).startswith("stock's best offload_percent uncapped: none finished; "
                                                     "out of memory at 0.25; layerstream 1.000 s/step")
@@ -93,3 +95,21 @@ def test_a_sweep_runs_each_offload_percent_in_its_own_process(tmp_path):
     best = min((half, full), key=lambda r: r["s_per_step_mean"])
     assert [r.get("stock_best", False) for r in (half, full)] == [r is best for r in (half, full)]
     assert f"stock's best offload_percent uncapped: {best['offload_percent']:g} at " in result.stdout
+
+
+@pytest.mark.parametrize("quantize", [None, "float8"])
+def test_stock_runs_whose_resident_weights_exceed_the_cap_are_known_before_building(quantize):
+    """At offload_percent p AI-Toolkit's manager leaves 1 - p of the linears on the device (on average): with
+    more than the cap in them, a run would only spend minutes on the GPU to run out of memory."""
+    from layerstream.bench import PRESETS
+    from layerstream.bench.run import _stock_resident_bytes
+
+    with torch.device("meta"):
+        model = PRESETS["qwen-image"].model(False).to(torch.bfloat16)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    weights, biases = sum(m.weight.numel() for m in linears), sum(m.bias.nbytes for m in linears)
+    args = parse_args(["--preset", "qwen-image", "--mode", "stock", "--offload-percent", "0.25"]
+                      + (["--quantize", quantize] if quantize else []))
+    per_value = 1 if quantize else 2  # codes of one byte at least; bf16
+    assert _stock_resident_bytes(model, args) == pytest.approx(0.75 * (weights * per_value + biases))
+    assert _stock_resident_bytes(model, parse_args(["--offload-percent", "1"])) == 0

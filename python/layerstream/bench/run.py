@@ -47,6 +47,15 @@ def attach_manager(package, model, device: torch.device, offload_percent: float,
     model.to(device)
 
 
+def _stock_resident_bytes(shapes_only, args) -> float:
+    """What AI-Toolkit's manager leaves on the device at --offload-percent p (it draws each linear's fate with
+    random.random(), so 1 - p of them on average), at least: a quantized weight counted at one byte a value."""
+    per_value = 1 if args.quantize else DTYPE.itemsize
+    linear = sum(m.weight.numel() * per_value + (m.bias.nbytes if m.bias is not None else 0)
+                 for m in shapes_only.modules() if type(m) is torch.nn.Linear)
+    return (1.0 - args.offload_percent) * linear
+
+
 def _build(args, mode: str, cfg, weight_bytes: int, device: torch.device):
     """The preset's model on the CPU, quantized where asked (torchao's float8 on ``device``, block by block, as
     AI-Toolkit does): (model, seconds)."""
@@ -121,6 +130,10 @@ def _run_mode(args, mode: str, device: torch.device) -> dict:
     cap = int(args.vram_cap_gb * GiB) if args.vram_cap_gb and device.type == "cuda" else None
     if mode == "resident" and cap is not None and weight_bytes > cap:
         return _skipped(mode, f"{weight_bytes / GiB:.1f} GiB of weights do not fit in the {args.vram_cap_gb} GiB cap")
+    kept = _stock_resident_bytes(shapes_only, args) if mode == "stock" else 0
+    if cap is not None and kept > cap:  # a stock sweep's low offload_percents: minutes spent to learn nothing
+        return _skipped(mode, f"about {kept / GiB:.1f} GiB of weights stay resident at offload_percent "
+                              f"{args.offload_percent:g}: more than the {args.vram_cap_gb:g} GiB cap")
 
     model, build_s = _build(args, mode, cfg, weight_bytes, device)
     if mode == "layerstream" and args.host_dtype:

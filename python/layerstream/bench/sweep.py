@@ -50,12 +50,15 @@ def summary(rows: list[dict], cap_gb: float | None) -> str:
         return ""
     where = f"under the {cap_gb:g} GiB cap" if cap_gb else "uncapped"
     oom = [f"{r['offload_percent']:g}" for r in swept if r["status"] == "oom"]
-    failed = [f"{r['offload_percent']:g}" for r in swept if r["status"] not in ("ok", "oom")]
+    skipped = [f"{r['offload_percent']:g}" for r in swept if r["status"] == "skipped"]
+    failed = [f"{r['offload_percent']:g}" for r in swept if r["status"] not in ("ok", "oom", "skipped")]
     best = next((r for r in swept if r.get("stock_best")), None)
     parts = [f"stock's best offload_percent {where}: "
              + (f"{best['offload_percent']:g} at {best['s_per_step_mean']:.3f} s/step" if best else "none finished")]
     if oom:
         parts.append(f"out of memory at {', '.join(oom)}")
+    if skipped:
+        parts.append(f"skipped at {', '.join(skipped)}")
     if failed:
         parts.append(f"failed at {', '.join(failed)}")
     for r in rows:
