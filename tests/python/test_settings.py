@@ -143,7 +143,7 @@ def _tool_names() -> set[str]:
     """LAYERSTREAM_* names that layerstream's build, tests and scripts read from the environment."""
     found = set()
     for pattern in ("scripts/*", "benchmarks/*", ".ci/*", "tests/python/*.py", "python/layerstream/*.py",
-                    "pyproject.toml", "docs/*.md", "README.md"):
+                    "python/layerstream/bench/*.py", "pyproject.toml", "docs/*.md", "README.md"):
         for path in REPO.glob(pattern):
             if path.is_file() and path.name != Path(__file__).name:  # this file's misspellings are on purpose
                 found |= set(re.findall(r"LAYERSTREAM_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="replace")))

@@ -1,0 +1,149 @@
+"""The training of one mode on its placed model: LoRA steps as AI-Toolkit's trainer takes them (warm-up, then
+timed), the phase split, the decode-blocks sweep and the profiled step that follow them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .measure import GiB, _Nvml, _sync, _timed, phase_split
+from .presets import DTYPE
+from .timeline import profile_timeline
+
+
+@dataclass
+class Steps:
+    """What the warm-up and timed steps measured; the counters are the mode's cumulative bytes copied (None
+    for resident) at the first timed step and at the end of the timed steps."""
+    losses: list[float]
+    times: list[float]
+    stats_at_start: dict | None
+    stats_end: dict | None
+    joules_per_step: float | None
+
+
+class Trainer:
+    """The inputs, the optimizer and one training step of a placed model with its LoRA network."""
+
+    def __init__(self, args, cfg, model, network, package, device: torch.device):
+        self.args, self.model, self.device = args, model, device
+        inputs_gen = torch.Generator().manual_seed(args.seed)
+        self.img, self.txt, self.vec = (
+            torch.randn(shape, generator=inputs_gen, dtype=DTYPE).to(device)
+            for shape in ((1, cfg.img_tokens, cfg.hidden), (1, cfg.txt_tokens, cfg.hidden), (1, cfg.hidden)))
+        # --aitk-flow: buckets of several resolutions, one after the other (AI-Toolkit's default 512/768/1024 is
+        # 1/4, 9/16 and all of the image tokens).
+        self.bucket_imgs = ([self.img[:, :max(1, int(cfg.img_tokens * f))] for f in args.buckets]
+                            if args.aitk_flow else [self.img])
+        self.current = self.img
+        self.optimizer = torch.optim.AdamW(network.parameters(), lr=1e-4)
+        # AI-Toolkit's trainer joins the manager's gradient copies once per step, before the optimizer; do the
+        # same (here only the LoRA trains and it lives on the device, so there is nothing to wait for, but it is
+        # called).
+        self.sync_grads = getattr(package, "sync_grad_transfers", None)
+
+    @property
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.img, self.txt, self.vec
+
+    def one_step(self) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.model(self.current, self.txt, self.vec).float().pow(2).mean()
+        loss.backward()
+        if self.sync_grads is not None:
+            self.sync_grads()
+        self.optimizer.step()
+        return loss
+
+    def sample(self) -> None:  # a sample under no_grad, as AI-Toolkit's sampling between steps
+        with torch.no_grad():
+            self.model(self.bucket_imgs[0], self.txt, self.vec)
+
+    def phase_split(self, counters) -> dict:
+        return phase_split(self.model, self.inputs, self.optimizer, self.sync_grads, self.device, counters)
+
+    def run(self, mode: str, counters) -> Steps:
+        """--warmup untimed steps, then --steps timed ones (with --aitk-flow's samples and buckets, and
+        --user-alloc-gb's memory taken between them)."""
+        args, device = self.args, self.device
+        losses, times = [], []
+        stats_at_start = None
+        nvml = _Nvml(device.index or 0) if device.type == "cuda" else None
+        energy_start = None
+        user_memory = []  # --user-alloc-gb: what "the user" holds on the device between some steps
+        if args.aitk_flow:
+            self.sample()  # AI-Toolkit samples before its first step by default
+        for step in range(args.warmup + args.steps):
+            self.current = self.bucket_imgs[step % len(self.bucket_imgs)]
+            if args.user_alloc_gb and device.type == "cuda":
+                if step == args.user_alloc_at:
+                    user_memory.append(torch.empty(int(args.user_alloc_gb * GiB), dtype=torch.uint8, device=device))
+                    print(f"[{mode}] the user took {args.user_alloc_gb} GiB of the device before step {step}",
+                          flush=True)
+                elif step == args.user_alloc_at + args.user_alloc_steps:
+                    user_memory.clear()
+            if step == args.warmup and counters is not None:
+                stats_at_start = counters()
+            _sync(device)
+            if step == args.warmup and nvml is not None:
+                energy_start = nvml.energy_mj()
+            loss, elapsed = _timed(self.one_step, device)
+            losses.append(loss.item())
+            if step >= args.warmup:
+                times.append(elapsed)
+            print(f"[{mode}] step {step}{' (warmup)' if step < args.warmup else ''}: {elapsed:.3f} s, "
+                  f"loss {losses[-1]:.6g}", flush=True)
+            if args.aitk_flow and args.sample_every and (step + 1) % args.sample_every == 0:
+                self.sample()
+        user_memory.clear()
+        self.current = self.img
+        energy_end = nvml.energy_mj() if nvml is not None else None
+        # The counters at the end of the timed steps: the steps after these copy too, and counting them would
+        # add a sixth step's bytes to five (seen: FLUX.1's bytes/step and floor read 6/5 of the truth).
+        stats_end = counters() if counters is not None else None
+        joules_per_step = ((energy_end - energy_start) / 1e3 / len(times)
+                           if energy_start is not None and energy_end is not None else None)
+        return Steps(losses, times, stats_at_start, stats_end, joules_per_step)
+
+    def decode_blocks_sweep(self, mode: str) -> list[dict] | None:
+        """--decode-blocks-sweep: after the timed steps, the same model again at each limit on the lossless
+        decode's thread blocks (one step to settle, then --steps timed, then a phase split): the settings
+        side by side in one process, with the model built and packed once."""
+        args = self.args
+        if not args.decode_blocks_sweep or mode != "layerstream" or args.host_dtype != "lossless":
+            return None
+        from layerstream import manager_modules as mm
+
+        before = mm._decode_blocks()
+        results = []
+        try:
+            for blocks in (int(b) for b in args.decode_blocks_sweep.split(",")):
+                mm._set_decode_blocks(blocks)
+                self.one_step()
+                times = [_timed(self.one_step, self.device)[1] for _ in range(args.steps)]
+                phases = self.phase_split(None)
+                results.append({"decode_blocks": blocks, "s_per_step_mean": sum(times) / len(times),
+                                "s_per_step_min": min(times), "step_times_s": times, "phases": phases})
+                print(f"[{mode}] decode blocks {blocks or 'all'}: {results[-1]['s_per_step_mean']:.3f} s/step "
+                      f"(min {min(times):.3f}); forward {phases['forward_s']:.3f} s, backward "
+                      f"{phases['backward_s']:.3f} s", flush=True)
+        finally:
+            mm._set_decode_blocks(before)
+        return results
+
+    def timeline(self, mode: str) -> dict | None:
+        """--timeline-out: one more step (not timed) under the profiler: when the bus copied and when the GPU
+        computed."""
+        args = self.args
+        if not args.timeline_out or self.device.type != "cuda" or mode == "resident":
+            return None
+        out = Path(args.timeline_out)
+        try:
+            return profile_timeline(self.one_step, self.device,
+                                    out.with_name(f"{out.stem}-{mode}{out.suffix or '.png'}"), f"{args.preset} {mode}")
+        except Exception as exc:  # the profiler is an extra: its failure must not lose the measured row
+            timeline = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"[{mode}] timeline failed: {timeline['error']}", flush=True)
+            return timeline

@@ -1,0 +1,75 @@
+"""The benchmark's Qwen-Image- and Wan-shaped presets at toy size: AI-Toolkit's MemoryManager finds every weight
+of them (every streamed layer an nn.Linear, the rest on the list of what its .to moves), and a checkpointed LoRA
+training run, bf16 or torchao float8, loses exactly the same on the stock manager and on layerstream (the
+simulator) as all resident. In-process, on the CPU: a few seconds per preset."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import aitk_dirs, clear_device_states, torchao_codes_and_scale
+from layerstream import manager_modules as mm
+from layerstream.aitk import load_memory_management
+from layerstream.bench import PRESETS, build_model, parse_args, quantize_model, run_mode
+from layerstream.bench.run import attach_manager
+
+NEW_FAMILIES = ["qwen-image-small", "wan22-small"]
+
+
+def _aitk_dir() -> str:
+    dirs = aitk_dirs()
+    if not dirs:
+        pytest.skip("the stock and layerstream modes drive AI-Toolkit's manager.py: set AI_TOOLKIT_DIR")
+    return dirs[0]
+
+
+@pytest.mark.parametrize("preset", NEW_FAMILIES)
+def test_the_manager_streams_every_linear_and_moves_everything_else(preset):
+    """What AI-Toolkit's manager does not stream, its patched .to must move: the modules on its unmanaged list
+    (norms, by their class name) and the parameters a block holds itself (Wan's scale_shift_table), which are
+    on that list only when attach() is given them."""
+    package = load_memory_management(_aitk_dir(), engine="stock")
+    model = build_model(PRESETS[preset], checkpointing=True, seed=0)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    in_linears = {id(p) for m in linears for p in m.parameters()}
+    others = [(name, p) for name, p in model.named_parameters() if id(p) not in in_linears]
+    # The streamed weights are nearly all of the model; the rest are norms' weights and Wan's tables.
+    assert all("norm" in name or name.endswith("scale_shift_table") for name, _ in others), others
+    attach_manager(package, model, torch.device("cpu"), offload_percent=1.0, seed=0)
+    assert all(hasattr(m, "_layer_memory_manager") for m in linears)
+    unmanaged = model._memory_manager.unmanaged_modules
+    moved = {id(x) for x in unmanaged if isinstance(x, torch.Tensor)}
+    moved |= {id(p) for x in unmanaged if isinstance(x, torch.nn.Module) for p in x.parameters()}
+    assert [name for name, p in others if id(p) not in moved] == []
+
+
+@pytest.mark.parametrize("preset, quantize", [(p, None) for p in NEW_FAMILIES] + [("wan22-small", "float8")])
+def test_checkpointed_losses_are_bitwise_alike_in_every_mode(preset, quantize, monkeypatch):
+    """bf16, and torchao's float8 weights as AI-Toolkit quantizes them with layer offloading."""
+    aitk = _aitk_dir()
+    if quantize:
+        pytest.importorskip("torchao.quantization", reason="--quantize float8 needs torchao")
+    monkeypatch.setenv("LAYERSTREAM_BACKEND", "sim")
+    monkeypatch.setenv("LAYERSTREAM_TIME_WAITS", "1")  # run_mode sets it when unset: restored after the test
+    args = parse_args(["--preset", preset, "--rank", "4", "--lora-init-nonzero", "--warmup", "1", "--steps", "1",
+                       "--aitk-dir", aitk] + (["--quantize", quantize] if quantize else []))
+    assert args.checkpointing
+    clear_device_states()
+    rows = {mode: run_mode(args, mode, torch.device("cpu")) for mode in ("resident", "stock", "layerstream")}
+    assert [r["status"] for r in rows.values()] == ["ok"] * 3, rows
+    resident = rows["resident"]["losses"]
+    assert len(resident) == 2 and resident[0] != resident[1]  # the first step trained the LoRA
+    assert rows["stock"]["losses"] == resident
+    assert rows["layerstream"]["losses"] == resident
+    # Stock stages every weight at each call (its bytes counted at its calls); layerstream's engine copied.
+    assert rows["stock"]["bytes_per_step"] > rows["stock"]["managed_bytes"] > 0
+    assert rows["layerstream"]["bytes_per_step"] > 0
+    assert mm.stats()["sim_races"] == 0
+    clear_device_states()
+    if quantize:  # the managed bytes are the stored ones: codes, scales and biases, not the bf16 they stand for
+        model = build_model(PRESETS[preset], checkpointing=True, seed=0)
+        quantize_model(model, quantize)
+        stored = sum(sum(t.nbytes for t in torchao_codes_and_scale(m.weight)) + m.bias.nbytes
+                     for m in model.modules() if type(m) is torch.nn.Linear)
+        assert rows["stock"]["managed_bytes"] == rows["layerstream"]["managed_bytes"] == stored
