@@ -29,6 +29,8 @@
 #   lossless  LAYERSTREAM_HOST_DTYPE=lossless: the decoder's bandwidth, FLUX.1 100% streamed and FLUX.2
 #          under a 24 GiB cap, layerstream alone (LAYERSTREAM_LOSSLESS_RUNS picks; about 5 minutes)
 #   pyfiles  the GPU cases (-k cuda) of the test files in LAYERSTREAM_PY_FILES
+#   ostris AI-Toolkit's OstrisLinear quantizers on FLUX.2-shaped under a cap, stock vs layerstream
+#          (benchmarks/ostris_bench.py; LAYERSTREAM_OSTRIS_QTYPES, LAYERSTREAM_OSTRIS_CAP_GB)
 #   mem    memory first: FLUX.1 100% streamed stock vs layerstream's default ring; AI-Toolkit's flow (model on the
 #          GPU before attach, an encoder freed, samples, buckets) under 24 GiB: resident, layerstream auto, stock at
 #          0.5, and layerstream auto with 4 GiB taken by the user between steps (LAYERSTREAM_MEM_RUNS picks)
@@ -493,6 +495,22 @@ if want mem; then
       --mode layerstream
     grep -E "VRAM budget on" "$OUT/all.log" | tail -n 2 | sed 's/^/      /' >>"$OUT/summary.txt"
   fi
+fi
+
+if want ostris; then
+  # AI-Toolkit's OstrisLinear quantizers (issue 26) on FLUX.2-shaped under a cap: stock vs layerstream, one run per
+  # group of LAYERSTREAM_OSTRIS_QTYPES (space-separated groups of comma-separated qtypes; about 1.5-2 minutes per
+  # qtype and mode), cap LAYERSTREAM_OSTRIS_CAP_GB (default 24).
+  ensure_installed
+  n=0
+  for group in ${LAYERSTREAM_OSTRIS_QTYPES:-uint4,convrot8 nvfp4,orbit4 orbitvq4}; do
+    n=$((n + 1))
+    step "OstrisLinear $group on FLUX.2-shaped under ${LAYERSTREAM_OSTRIS_CAP_GB:-24} GiB: stock vs layerstream"
+    run "ostris_$n" python3 benchmarks/ostris_bench.py --preset flux2 --qtypes "$group" \
+      --cap-gb "${LAYERSTREAM_OSTRIS_CAP_GB:-24}" --warmup 2 --steps 3 --aitk-dir "${AI_TOOLKIT_DIR%%:*}" \
+      --json-out "$OUT/ostris_$n.json" --md-out "$OUT/ostris_$n.md"
+    grep -E "^\|" "$OUT/ostris_$n.md" 2>/dev/null | sed 's/^/      /' >>"$OUT/summary.txt"
+  done
 fi
 
 # One run of AI-Toolkit's test_memory_manager.py in the scratch copy TREE (outside this repository, where

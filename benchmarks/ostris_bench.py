@@ -40,8 +40,8 @@ import torch
 from torch import nn
 
 from layerstream.aitk import import_toolkit, load_memory_management
-from layerstream.bench import (DTYPE, GiB, PRESETS, FluxShapedTransformer, _strip_options, apply_lora, peak_rss_bytes,
-                               stock_pinned_bytes)
+from layerstream.bench import DTYPE, GiB, PRESETS, FluxShapedTransformer, apply_lora, peak_rss_bytes, stock_pinned_bytes
+from layerstream.bench.cli import _strip_options
 
 MODES = ("stock", "layerstream")
 
