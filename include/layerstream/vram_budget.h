@@ -98,23 +98,30 @@ class BudgetHeadroom {
   // Room for the ring and resident layers on a device the process may use `limit` bytes of, whose step
   // peaked at `peak` with a ring of `ring` (the ring is counted again in the plan). Sets the threshold.
   Room room_for(std::size_t limit, std::size_t peak, std::size_t ring);
-  // An allocation that found no cached block is pressure between steps always (the plan knows nothing of
-  // what is asked there, and the allocator does not say how much), inside a step when less than half the
-  // headroom is free (the plan's own peak leaves all of it free). Never before a plan (nothing to give).
-  // `threshold`: threshold() of the last plan (read without the owner's lock by the allocator's callback).
-  static bool is_pressure(std::size_t threshold, bool between_steps, std::size_t free_bytes) {
-    return threshold != 0 && (between_steps || free_bytes < threshold);
+  // An allocation that found no cached block is pressure inside a step when less than half the headroom
+  // is free (the plan's own peak leaves all of it free), and between steps when less than a quarter of the
+  // limit is free: the plan knows nothing of what is asked there (a sample, a text encoder, the user's own
+  // tensors) and the allocator does not say how much. Never before a plan (nothing to give back).
+  // `threshold`, `gap_threshold`: threshold() and gap_threshold() of the last plan (read without the
+  // owner's lock by the allocator's callback).
+  static bool is_pressure(std::size_t threshold, std::size_t gap_threshold, bool between_steps,
+                          std::size_t free_bytes) {
+    return threshold != 0 && free_bytes < (between_steps ? gap_threshold : threshold);
   }
+  std::size_t gap_threshold() const { return gap_threshold_; }
   std::size_t threshold() const { return threshold_; }
-  // Resident layers were given back: nothing more to give until the next plan; a yield inside a step
-  // doubles the headroom (up to a quarter), so that a process whose step keeps growing does not yield
-  // at every step; one between steps says nothing about the plan.
+  // Resident layers were given back: nothing more to give until the next plan. A yield inside a step
+  // doubles the headroom (up to a quarter), so that a process whose step keeps growing does not yield at
+  // every step; one between steps sets it to a quarter at once, the room a gap then finds, so that the
+  // next sample or optimizer step does not yield again (seen on the H200, 2026-12-01: a yield at every
+  // gap, each one emptying torch's cache for the next).
   void after_yield(bool between_steps);
   std::size_t permille() const { return permille_; }
 
  private:
   std::size_t permille_ = 50;  // 5% at first: allocator fragmentation, a longer prompt
   std::size_t threshold_ = 0;
+  std::size_t gap_threshold_ = 0;
 };
 
 }  // namespace layerstream

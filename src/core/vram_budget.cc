@@ -89,6 +89,7 @@ BudgetHeadroom::Room BudgetHeadroom::room_for(std::size_t limit, std::size_t pea
   Room r;
   r.headroom = limit / 1000 * permille_;
   threshold_ = r.headroom / 2;
+  gap_threshold_ = limit / 1000 * kMostHeadroomPermille;
   // The ring and the resident copies share what the process may hold beyond its peak without the ring.
   const std::size_t others = peak > ring ? peak - ring : 0;
   r.room = limit > others + r.headroom ? limit - others - r.headroom : 0;
@@ -97,7 +98,8 @@ BudgetHeadroom::Room BudgetHeadroom::room_for(std::size_t limit, std::size_t pea
 
 void BudgetHeadroom::after_yield(bool between_steps) {
   threshold_ = 0;
-  if (!between_steps) permille_ = std::min(permille_ * 2, kMostHeadroomPermille);
+  gap_threshold_ = 0;
+  permille_ = between_steps ? kMostHeadroomPermille : std::min(permille_ * 2, kMostHeadroomPermille);
 }
 
 }  // namespace layerstream

@@ -114,10 +114,10 @@ DeviceMemoryView cuda_memory_view(DeviceState& state, const VramBudget& budget) 
 // before it frees its cache and tries again, then raises out of memory). It is not told the allocation's
 // size and runs at every such miss, also when the driver has room. Inside a training step the plan knows
 // the step's peak, so memory is given back only when the device is short of it (below half the headroom
-// the plan left). Between steps the plan knows nothing of what is asked (the optimizer's first states, a
-// sample, a text encoder, the user's tensors; torch's cache is warm there once the first steps are over),
-// so every resident layer is given back, and the next plan measures the step again. What it frees goes to
-// the allocator's cache, which the allocator releases to the driver before its last try.
+// the plan left). Between steps the plan knows nothing of what is asked (a sample, a text encoder, the
+// user's tensors), so resident layers are given back when less than a quarter of what the process may use
+// is free, and the next plan leaves that quarter free (vram_budget.h). What it frees goes to the
+// allocator's cache, which the allocator releases to the driver before its last try.
 class YieldToPressure : public c10::FreeMemoryCallback {
  public:
   bool Execute() override {
@@ -130,11 +130,11 @@ class YieldToPressure : public c10::FreeMemoryCallback {
       const std::size_t threshold = state->pressure_threshold();
       if (threshold == 0) continue;  // nothing resident by a plan
       const bool between_steps = !state->in_training_step();
-      if (!between_steps && !measured) {
+      if (!measured) {
         room = free_for_allocation(index, nullptr);
         measured = true;
       }
-      if (BudgetHeadroom::is_pressure(threshold, between_steps, room)) {
+      if (BudgetHeadroom::is_pressure(threshold, state->gap_pressure_threshold(), between_steps, room)) {
         freed = state->yield_for_pressure(std::numeric_limits<std::size_t>::max(), between_steps) || freed;
       }
     }

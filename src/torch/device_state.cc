@@ -308,6 +308,7 @@ bool DeviceState::yield_for_pressure(std::size_t want, bool between_steps) {
   ++pressure_yields_;
   pressure_yielded_bytes_ += freed;
   pressure_threshold_ = 0;  // until the next plan: nothing more to give back
+  gap_pressure_threshold_ = 0;
   // A yield inside a step says the plan left too little; one between steps says nothing about the plan.
   if (!pressure_pending_ || !between_steps) pressure_between_steps_ = between_steps;
   pressure_pending_ = true;
@@ -452,6 +453,7 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
   const std::size_t ring = engine_->ring_capacity();
   const BudgetHeadroom::Room room = headroom_.room_for(view.limit, view.peak, ring);
   pressure_threshold_ = headroom_.threshold();
+  gap_pressure_threshold_ = headroom_.gap_threshold();
   std::vector<LayerId> ids;
   std::vector<std::size_t> sizes, footprints;  // copied and resident bytes; what each takes in the ring
   std::unordered_map<LayerId, std::size_t> index;

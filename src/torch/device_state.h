@@ -175,6 +175,8 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // pressure: half the headroom the budget's last plan left (the plan expects the step's peak to leave all
   // of it free, so a miss at the planned peak is not pressure); 0 before a plan: nothing to give back.
   std::size_t pressure_threshold() const { return pressure_threshold_.load(); }
+  // The same between steps (BudgetHeadroom::is_pressure): a quarter of what the process may use.
+  std::size_t gap_pressure_threshold() const { return gap_pressure_threshold_.load(); }
   // Whether a training step is under way: from a layer's use in a forward with grad enabled to the end of
   // the backward pass that follows (note_backward_pass). Between steps (the optimizer, samples, a text
   // encoder, the user's own tensors) the budget's plan knows nothing of what the process allocates, so a
@@ -249,6 +251,7 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   std::atomic<std::uint64_t> pressure_yields_{0};
   std::atomic<std::uint64_t> pressure_yielded_bytes_{0};
   std::atomic<std::size_t> pressure_threshold_{0};
+  std::atomic<std::size_t> gap_pressure_threshold_{0};
   std::atomic<bool> pressure_between_steps_{false};  // the pending yield came from between two steps
   std::atomic<bool> in_step_{false};                 // in_training_step()
   std::atomic<int> step_task_{-1};                   // the graph task whose end-of-step callback is queued

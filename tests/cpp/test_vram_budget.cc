@@ -77,39 +77,49 @@ TEST(VramBudget, TheRecorderWaitsForATrainingForwardThenPlansOnceTheOrderRepeate
 TEST(VramBudget, TheRoomIsTheLimitLessThePeakWithoutTheRingAndTheHeadroom) {
   BudgetHeadroom h;
   EXPECT_EQ(h.threshold(), 0u);
-  EXPECT_FALSE(BudgetHeadroom::is_pressure(h.threshold(), true, 0));  // before a plan: nothing to give back
+  EXPECT_FALSE(BudgetHeadroom::is_pressure(h.threshold(), h.gap_threshold(), true, 0));  // before a plan
   const std::size_t limit = 24000 * kMiB;
   const BudgetHeadroom::Room r = h.room_for(limit, 6000 * kMiB, 500 * kMiB);
   EXPECT_EQ(r.headroom, limit / 1000 * 50);
   EXPECT_EQ(r.room, limit - (6000 - 500) * kMiB - r.headroom);
   EXPECT_EQ(h.threshold(), r.headroom / 2);
+  EXPECT_EQ(h.gap_threshold(), limit / 4);
   // A peak beyond the limit leaves no room, without wrapping around.
   EXPECT_EQ(h.room_for(limit, 30000 * kMiB, 500 * kMiB).room, 0u);
 }
 
-TEST(VramBudget, AMissIsPressureBetweenStepsAlwaysAndInsideOneBelowHalfTheHeadroom) {
+TEST(VramBudget, AMissIsPressureInsideAStepBelowHalfTheHeadroomAndBetweenStepsBelowAQuarter) {
   BudgetHeadroom h;
   const BudgetHeadroom::Room r = h.room_for(24000 * kMiB, 6000 * kMiB, 500 * kMiB);
-  const std::size_t t = h.threshold();
+  const std::size_t t = h.threshold(), g = h.gap_threshold();
   // At the plan's own peak all the headroom is free: not pressure (the H200 saw a yield at every step when
   // the threshold was the whole headroom).
-  EXPECT_FALSE(BudgetHeadroom::is_pressure(t, false, r.headroom));
-  EXPECT_FALSE(BudgetHeadroom::is_pressure(t, false, t));
-  EXPECT_TRUE(BudgetHeadroom::is_pressure(t, false, t - 1));
-  // Between steps the allocator's callback cannot know what is asked: a 4 GiB tensor with 3.5 GiB free.
-  EXPECT_TRUE(BudgetHeadroom::is_pressure(t, true, 3500 * kMiB));
+  EXPECT_FALSE(BudgetHeadroom::is_pressure(t, g, false, r.headroom));
+  EXPECT_FALSE(BudgetHeadroom::is_pressure(t, g, false, t));
+  EXPECT_TRUE(BudgetHeadroom::is_pressure(t, g, false, t - 1));
+  // Between steps the allocator's callback cannot know what is asked: a 4 GiB tensor with 3.5 GiB free is
+  // pressure there, not inside a step.
+  EXPECT_TRUE(BudgetHeadroom::is_pressure(t, g, true, 3500 * kMiB));
+  EXPECT_FALSE(BudgetHeadroom::is_pressure(t, g, false, 3500 * kMiB));
+  EXPECT_FALSE(BudgetHeadroom::is_pressure(t, g, true, g));
 }
 
-TEST(VramBudget, OnlyAYieldInsideAStepDoublesTheHeadroomUpToAQuarter) {
+TEST(VramBudget, AYieldInsideAStepDoublesTheHeadroomOneBetweenStepsLeavesTheGapItsQuarter) {
   BudgetHeadroom h;
   h.room_for(1000 * kMiB, 0, 0);
-  h.after_yield(true);
-  EXPECT_EQ(h.permille(), 50u);
-  EXPECT_EQ(h.threshold(), 0u);  // nothing left to give until the next plan
   for (std::size_t expected : {100u, 200u, 250u, 250u}) {
     h.after_yield(false);
     EXPECT_EQ(h.permille(), expected);
+    EXPECT_EQ(h.threshold(), 0u);  // nothing left to give until the next plan
+    EXPECT_EQ(h.gap_threshold(), 0u);
   }
+  BudgetHeadroom gap;
+  gap.room_for(1000 * kMiB, 0, 0);
+  gap.after_yield(true);
+  EXPECT_EQ(gap.permille(), 250u);
+  // The next plan leaves a quarter free at the step's peak: a gap then finds at least that, not pressure.
+  const BudgetHeadroom::Room r = gap.room_for(1000 * kMiB, 100 * kMiB, 0);
+  EXPECT_FALSE(BudgetHeadroom::is_pressure(gap.threshold(), gap.gap_threshold(), true, r.headroom));
 }
 
 TEST(VramBudget, ThePlanKeepsTheRingInUseUnlessAnotherCopiesLess) {
