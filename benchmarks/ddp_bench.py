@@ -72,7 +72,7 @@ def rank_main(args) -> int:
     cfg = bench.PRESETS[args.preset]
     model = bench.build_model(cfg, checkpointing=True, seed=args.seed + 2)
     t0 = time.perf_counter()
-    blocks = [m for b in (model.double_blocks, model.single_blocks) for m in b.modules() if isinstance(m, torch.nn.Linear)]
+    blocks = [m for b in model.block_lists() for m in b.modules() if isinstance(m, torch.nn.Linear)]
     for layer in blocks:
         mm.LinearLayerMemoryManager.attach(layer, _Manager(device))
     for module in model.modules():  # what is not managed (modulation, norms) lives on the device

@@ -4,7 +4,8 @@ offloading, layerstream.
 The model (``--preset``) has a real model's block layout and layer shapes with random weights: flux1 (FLUX.1,
 19 double-stream and 38 single-stream blocks at hidden 3072, 11.85B bf16 parameters), flux2 (FLUX.2 [dev], 32.0B),
 qwen-image (Qwen-Image, 60 dual-stream blocks at 3072, 20.4B), wan22 (one Wan 2.2 14B expert, 40 blocks at 5120
-over 32,760 video tokens, 14.2B), each with smaller variants (medium: full width, few blocks; small: toy size).
+over 32,760 video tokens, 14.2B; wan22-41f: 17,160 tokens, which fit 24 GiB), each with smaller variants
+(medium: full width, few blocks; small: toy size).
 No embedders, RoPE or final layer, because only the block linears matter for what is measured: how long a
 training step takes when those weights stream over PCIe. A rank-128 LoRA wraps every block linear the way
 AI-Toolkit's LoRA network does (after the memory manager has attached, so the LoRA's ``org_forward`` is the

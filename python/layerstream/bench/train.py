@@ -140,9 +140,11 @@ class Trainer:
         if not args.timeline_out or self.device.type != "cuda" or mode == "resident":
             return None
         out = Path(args.timeline_out)
+        # A stock sweep's runs each draw their own (FILE-stock-0.5.png).
+        name = mode if args.offload_percent == 1.0 or mode == "layerstream" else f"{mode}-{args.offload_percent:g}"
         try:
             return profile_timeline(self.one_step, self.device,
-                                    out.with_name(f"{out.stem}-{mode}{out.suffix or '.png'}"), f"{args.preset} {mode}")
+                                    out.with_name(f"{out.stem}-{name}{out.suffix or '.png'}"), f"{args.preset} {name}")
         except Exception as exc:  # the profiler is an extra: its failure must not lose the measured row
             timeline = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"[{mode}] timeline failed: {timeline['error']}", flush=True)
