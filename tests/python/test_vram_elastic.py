@@ -54,6 +54,23 @@ def _linear_bytes(model) -> int:
                for p in m.parameters())
 
 
+def _on_a_small_card(engine, device, monkeypatch, steps, budget="auto"):
+    """The simulated 12 MiB card with a 2 MiB ring (and `budget`, None for the default): the all-resident
+    run's losses over `steps`, and a managed twin attached, with its device state."""
+    if engine != "sim":
+        pytest.skip("the simulated card signals the pressure")
+    monkeypatch.setenv("LAYERSTREAM_SIM_DEVICE_MB", "12")
+    monkeypatch.setenv("LAYERSTREAM_RING_MB", "2")
+    if budget is not None:
+        monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", budget)
+    base = _base()
+    resident = copy.deepcopy(base)
+    ref = _train(resident, apply_lora(resident), device, steps)
+    managed = copy.deepcopy(base)
+    ContractManager.attach(mm, managed, device).to_device()
+    return base, ref, managed, mm._DEVICE_STATE[device]
+
+
 LENGTHS = [6, 6, 6, 10, 6, 10, 6, 6, 10, 6, 6, 6]
 STEPS = _inputs(LENGTHS)
 
@@ -64,20 +81,10 @@ def test_resident_layers_give_memory_back_to_an_allocation_that_needs_it_and_the
     device beside a 2 MiB ring. Then the "user" asks for 6 MiB between two steps: it does not fit, so idle
     resident layers give theirs back (largest first) and the allocation succeeds instead of failing; the
     budget plans again from the next steps, whose peak includes the user's memory, leaving a quarter of the
-    device free (the room a gap between steps then finds); once the user frees it, nothing more is yielded. Every loss is the all-resident run's, steps of two
-    lengths alternating, and the race checker sees no unordered access."""
-    if engine != "sim":
-        pytest.skip("the simulated card signals the pressure; the CUDA case is below")
-    monkeypatch.setenv("LAYERSTREAM_SIM_DEVICE_MB", "12")
-    monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "auto")
-    monkeypatch.setenv("LAYERSTREAM_RING_MB", "2")
-    base = _base()
-    resident = copy.deepcopy(base)
-    ref = _train(resident, apply_lora(resident), device, STEPS)
-
-    managed = copy.deepcopy(base)
-    ContractManager.attach(mm, managed, device).to_device()
-    state = mm._DEVICE_STATE[device]
+    device free (the room a gap between steps then finds); once the user frees it, nothing more is yielded.
+    Every loss is the all-resident run's, steps of two lengths alternating, and the race checker sees no
+    unordered access."""
+    base, ref, managed, state = _on_a_small_card(engine, device, monkeypatch, STEPS)
     seen = {}
     held = []
 
@@ -113,17 +120,7 @@ def test_an_allocation_inside_a_step_that_needs_resident_memory_doubles_the_plan
     """The same card, but the "user" asks for 6 MiB inside a training step (a forward hook of the last
     block, as a larger bucket's activations would): the plan left too little there, so after the yield it
     plans again with twice the headroom. The step's loss and every later one stay the all-resident run's."""
-    if engine != "sim":
-        pytest.skip("the simulated card signals the pressure")
-    monkeypatch.setenv("LAYERSTREAM_SIM_DEVICE_MB", "12")
-    monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "auto")
-    monkeypatch.setenv("LAYERSTREAM_RING_MB", "2")
-    base = _base()
-    resident = copy.deepcopy(base)
-    ref = _train(resident, apply_lora(resident), device, STEPS[:8])
-    managed = copy.deepcopy(base)
-    ContractManager.attach(mm, managed, device).to_device()
-    state = mm._DEVICE_STATE[device]
+    base, ref, managed, state = _on_a_small_card(engine, device, monkeypatch, STEPS[:8])
     step_now = [0]
     held = []
 
@@ -155,16 +152,7 @@ def test_without_a_budget_an_allocation_that_does_not_fit_still_fails_and_nothin
     """The default (min) keeps no layer resident: there is nothing to give back, so an allocation larger
     than what is free fails as it would without layerstream, with the simulator's message, and training
     goes on."""
-    if engine != "sim":
-        pytest.skip("the simulated card signals the pressure")
-    monkeypatch.setenv("LAYERSTREAM_SIM_DEVICE_MB", "12")
-    monkeypatch.setenv("LAYERSTREAM_RING_MB", "2")
-    base = _base()
-    resident = copy.deepcopy(base)
-    ref = _train(resident, apply_lora(resident), device, STEPS[:4])
-    managed = copy.deepcopy(base)
-    ContractManager.attach(mm, managed, device).to_device()
-    state = mm._DEVICE_STATE[device]
+    base, ref, managed, state = _on_a_small_card(engine, device, monkeypatch, STEPS[:4], budget=None)
 
     def between(step):
         if step == 1:
