@@ -61,6 +61,8 @@ def report(path: str | Path) -> str:
         settings = {k: v for k, v in sorted(env.items()) if k.startswith("LAYERSTREAM_")}
         lines.append("settings      (the LAYERSTREAM_* variables; the rest are at their defaults, docs/ai-toolkit.md)")
     for key, value in sorted(settings.items()):
-        origin = "  (.env)" if key in from_file else ""
-        lines.append(f"  {key}={value}{origin}")
+        # settings() names its fields as Settings does (vram_budget); the line names the variable.
+        name = key if key.startswith("LAYERSTREAM") else f"LAYERSTREAM_{key.upper()}"
+        origin = "  (.env)" if name in from_file else ""
+        lines.append(f"  {name}={value}{origin}")
     return "\n".join(lines)
