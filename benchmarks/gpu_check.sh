@@ -197,8 +197,10 @@ if want pyfiles; then
   step "pytest -k cuda: ${LAYERSTREAM_PY_FILES:-(none named)}"
   FILES=()
   for f in ${LAYERSTREAM_PY_FILES:-}; do FILES+=("$PWD/tests/python/$f"); done
+  # LAYERSTREAM_PY_K narrows the selection further (a -k expression joined with "cuda and"), LAYERSTREAM_PY_TB
+  # sets pytest's --tb (long: the whole traceback of a failure under investigation).
   run pytest_files bash -c 'cd /tmp && python3 -X faulthandler -m pytest -q -rs --durations=8 -p no:cacheprovider \
-    -k cuda "$@"' _ "${FILES[@]}"
+    --tb="${LAYERSTREAM_PY_TB:-short}" -k "cuda${LAYERSTREAM_PY_K:+ and ($LAYERSTREAM_PY_K)}" "$@"' _ "${FILES[@]}"
   grep -E "passed|failed" "$OUT/all.log" | tail -n 1 | sed 's/^/      /' >>"$OUT/summary.txt"
 fi
 
@@ -462,10 +464,11 @@ if want lossless && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
 fi
 
 if want mem; then
-  # Memory first (issue 20). LAYERSTREAM_MEM_RUNS picks among min, flow, stockflow, pressure, flow2 (default: all but flow2);
+  # Memory first (issue 20). LAYERSTREAM_MEM_RUNS picks among min, flow, flowres, stockflow, pressure, flow2,
+  # detflow (default: min, flow, flowres, stockflow, pressure);
   # about 2, 2.5, 1.5 and 1.5 minutes.
   ensure_installed
-  MRUNS=",${LAYERSTREAM_MEM_RUNS:-min,flow,stockflow,pressure},"
+  MRUNS=",${LAYERSTREAM_MEM_RUNS:-min,flow,flowres,stockflow,pressure},"
   if [[ $MRUNS == *,min,* ]]; then
     step "FLUX.1 100% streamed: stock vs layerstream's default (min), peak VRAM side by side"
     flux mem_flux1_min --preset flux1 --mode stock,layerstream --warmup 2 --steps 3
@@ -476,9 +479,28 @@ if want mem; then
   if [[ $MRUNS == *,flow,* ]]; then
     # The all-resident model does not fit the cap in this flow (seen 2026-12-01: out of memory, 8.6 GiB of
     # the placement's blocks cached under the fraction): its reference runs the same flow uncapped.
-    step "AI-Toolkit's flow: layerstream auto under a 24 GiB cap, all-resident uncapped"
+    step "AI-Toolkit's flow: layerstream auto under a 24 GiB cap"
     flux mem_flux1_flow LAYERSTREAM_VRAM_BUDGET=auto "${FLOW[@]}" --mode layerstream
+  fi
+  if [[ $MRUNS == *,flowres,* ]]; then
+    step "AI-Toolkit's flow: all-resident uncapped (the reference)"
     flux mem_flux1_flow_resident --preset flux1 --aitk-flow --warmup 3 --steps 6 --mode resident
+  fi
+  if [[ $MRUNS == *,detflow,* ]]; then
+    # Bitwise losses in the flow (issue 20): deterministic kernels (attention's backward otherwise accumulates in
+    # a nondeterministic order), all-resident uncapped against layerstream auto under the cap, their losses printed.
+    step "AI-Toolkit's flow, deterministic kernels: all-resident uncapped against layerstream auto under 24 GiB"
+    flux mem_flux1_det_resident --preset flux1 --aitk-flow --warmup 2 --steps 3 --mode resident --deterministic
+    flux mem_flux1_det LAYERSTREAM_VRAM_BUDGET=auto --preset flux1 --aitk-flow --vram-cap-gb 24 --warmup 2 --steps 3 \
+      --mode layerstream --deterministic
+    python3 - "$OUT/mem_flux1_det_resident.json" "$OUT/mem_flux1_det.json" >>"$OUT/summary.txt" 2>&1 <<'PY'
+import json, sys
+rows = [json.load(open(p))["results"][0] for p in sys.argv[1:]]
+a, b = (r.get("losses") for r in rows)
+print("      losses resident   ", a)
+print("      losses layerstream", b)
+print("      losses bitwise equal:", a == b)
+PY
   fi
   if [[ $MRUNS == *,stockflow,* ]]; then
     step "AI-Toolkit's flow under a 24 GiB cap: stock at offload_percent 0.5 (its best under the cap, 2026-11-30)"

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -129,6 +130,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "mode, resident included: 2026-11-30)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch.use_deterministic_algorithms(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8, so that "
+                             "losses of two runs (resident, stock, layerstream) can be compared bitwise (attention's "
+                             "backward otherwise accumulates in a nondeterministic order)")
     parser.add_argument("--aitk-flow", action="store_true",
                         help="as AI-Toolkit runs: the model on the GPU before attach, a text-encoder-sized "
                              "allocation made and freed before training, a no_grad sample before the first step "
@@ -180,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     reference = None if args.child else reference_row(args.reference_json)  # before the runs: fail fast
+    if args.deterministic:
+        # Before cuBLAS starts (its workspace setting is read at its first handle); the children of `--mode all`
+        # get the flag in their argv and the variable through the environment.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     runs = sweep.jobs(args.modes, args.stock_sweep)
     if len(runs) > 1 or args.stock_sweep:
         rows = run_all(argv, runs)
