@@ -38,6 +38,13 @@ std::size_t ring_bytes_for(std::size_t layer_bytes, std::size_t floor, const std
 // (10: the deepest measured, FLUX.2 under 24 GiB). Only the one in use when the ring is fixed.
 std::vector<std::size_t> candidate_rings(std::size_t current, std::size_t largest_device_bytes, bool fixed);
 
+// The peak a plan must leave room for, from the first training step's window (from its first forward to the
+// next step's first forward): the window's peak plus what the process has held since the window began and
+// still holds (`live_now` above `live_at_start`): the optimizer's state, made at the first step's
+// optimizer.step() after the backward's peak, is in every later step beside the activations. (Seen on the
+// H200, 2026-12-01: a plan from the window's peak alone left too little room, and the next steps yielded.)
+std::size_t steady_peak(std::size_t window_peak, std::size_t live_at_start, std::size_t live_now);
+
 // The plan for one step's record: the ring and resident layers (plan_ring_and_residency over the
 // candidates), kept at the current ring unless another copies fewer bytes (a rebuild costs a stall and the
 // resident copies again).

@@ -11,6 +11,10 @@ constexpr std::size_t kMiB = std::size_t{1} << 20;
 constexpr std::size_t kMostHeadroomPermille = 250;
 }  // namespace
 
+std::size_t steady_peak(std::size_t window_peak, std::size_t live_at_start, std::size_t live_now) {
+  return live_now > live_at_start ? window_peak + (live_now - live_at_start) : window_peak;
+}
+
 std::size_t ring_footprint(std::size_t device_bytes) {
   return (device_bytes + kRingAlignment - 1) / kRingAlignment * kRingAlignment;
 }

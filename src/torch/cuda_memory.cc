@@ -26,6 +26,7 @@ namespace alloc = c10::cuda::CUDACachingAllocator;
 // per device. `on`: counting (a window was started); before that the tracker returns at once.
 struct PeakWindow {
   std::atomic<bool> on{false};
+  std::atomic<std::int64_t> start{0};  // live when the window began
   std::atomic<std::int64_t> live{0};
   std::atomic<std::int64_t> peak{0};
 };
@@ -67,6 +68,7 @@ void start_window(DeviceState& state) {
   PeakWindow& w = windows()[index];
   // requested_bytes counts what ALLOC and FREE_COMPLETED carry (the sizes asked, before rounding).
   const auto now = static_cast<std::int64_t>(alloc::getDeviceStats(index).requested_bytes[kAggregate].current);
+  w.start = now;
   w.live = now;
   w.peak = now;
   w.on = true;
@@ -97,7 +99,11 @@ DeviceMemoryView cuda_memory_view(DeviceState& state, const VramBudget& budget) 
   const c10::DeviceIndex index = state.device().index();
   DeviceMemoryView view;
   if (index >= 0 && index < kMostDevices && windows()[index].on) {
-    view.peak = static_cast<std::size_t>(std::max<std::int64_t>(windows()[index].peak.load(), 0));
+    const PeakWindow& w = windows()[index];
+    const auto bytes = [](std::int64_t v) { return static_cast<std::size_t>(std::max<std::int64_t>(v, 0)); };
+    const std::size_t window_peak = bytes(w.peak.load());
+    view.peak = steady_peak(window_peak, bytes(w.start.load()), bytes(w.live.load()));
+    view.held_since = view.peak - window_peak;
   } else {  // no window yet (a plan before any training forward cannot happen; kept for safety)
     view.peak = static_cast<std::size_t>(alloc::getDeviceStats(index).requested_bytes[kAggregate].peak);
   }

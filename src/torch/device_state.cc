@@ -513,7 +513,12 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
   return detail::concat("layerstream VRAM budget on ", describe(), ": ", view.limit / kMiB, " MiB",
                         vram_budget_.automatic ? " (auto)" : "", ", peak ", view.peak / kMiB,
                         " MiB in the training step (from its first forward; what the process held before is not "
-                        "counted), ", headroom_.permille() / 10, "% headroom: ", kept, " layers (", kept_bytes / kMiB,
+                        "counted",
+                        view.held_since > 0 ? detail::concat("; ", view.held_since / kMiB,
+                                                             " MiB of it made after the step's own peak and still "
+                                                             "held, such as the optimizer's state")
+                                            : std::string(),
+                        "), ", headroom_.permille() / 10, "% headroom: ", kept, " layers (", kept_bytes / kMiB,
                         " MiB) stay on the device, ", streamed, " stream", ring_note,
                         not_copied > 0 ? detail::concat(" (", not_copied, " of them planned to stay, but their "
                                                         "copy could not be issued: ", copy_error, ")")

@@ -70,6 +70,7 @@ class HostBlockRef {
 struct DeviceMemoryView {
   std::size_t limit = 0;  // bytes the process may use ("auto": free + its own reserved, under torch's fraction)
   std::size_t peak = 0;   // the most the process has held (torch's peak reserved on CUDA)
+  std::size_t held_since = 0;  // of `peak`: what the step made after its own peak and still holds (steady_peak)
 };
 
 // How a quantized or packed layer's weight was rebuilt for one use: into its ring region's scratch, found

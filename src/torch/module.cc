@@ -387,7 +387,12 @@ void ostris_pack(const py::object& module, LayerManager& core) {
   if (tensors.empty()) return;
   std::vector<at::Tensor> views = core.layer->pack_tensors(tensors);
   for (std::size_t i = 0; i < core.buffer_names.size(); ++i) buffers[core.buffer_names[i].c_str()] = py::cast(views[i]);
-  if (core.ostris_bias) at::Tensor(bias.cast<at::Tensor>()).set_data(views.back());
+  if (core.ostris_bias) {
+    // The bias stays the Parameter (LoRA and the optimizer hold it), its data set to its view.
+    at::Tensor param = bias.cast<at::Tensor>();
+    param.set_data(views.back());
+    core.layer->adopt_tensor(views.size() - 1, param);
+  }
 }
 
 py::object ostris_forward(const py::object& module, LayerManager& core, const py::object& original,
@@ -412,6 +417,9 @@ py::object ostris_forward(const py::object& module, LayerManager& core, const py
     for (std::size_t i = 0; i < core.buffer_names.size(); ++i) buffers[core.buffer_names[i].c_str()] = py::cast(tensors[i]);
     if (core.ostris_bias) at::Tensor(bias.cast<at::Tensor>()).set_data(tensors.back());
   };
+  // The bias in `host` is the Parameter itself: swapping the staged copy in changes what it holds, so the
+  // host data to put back is taken now, as a tensor of its own over the same (arena) storage.
+  if (core.ostris_bias) host->back() = host->back().detach();
   swap_in(staged);
   try {
     py::object out = original(x);

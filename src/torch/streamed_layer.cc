@@ -479,6 +479,13 @@ std::vector<at::Tensor> StreamedLayer::pack_tensors(const std::vector<at::Tensor
   return views;
 }
 
+void StreamedLayer::adopt_tensor(std::size_t index, const at::Tensor& t) {
+  std::lock_guard<std::mutex> lock(mu_);
+  LS_CHECK(index < tensors_.size(), "internal: adopt_tensor(", index, ") of ", tensors_.size(), " packed tensors");
+  LS_CHECK(t.defined() && t.data_ptr() == tensors_[index].data, "internal: adopt_tensor: not set to the packed view");
+  remember_identity(tensors_[index], t);
+}
+
 bool StreamedLayer::tensors_current(const std::vector<at::Tensor>& tensors) {
   std::lock_guard<std::mutex> lock(mu_);
   if (tensors.size() != tensors_.size()) return false;

@@ -122,6 +122,9 @@ class StreamedLayer : public torch::CustomClassHolder {
   // buffers, then the bias): all of them in one block, as stored. Returns the host views, in order (the
   // caller puts them back into the layer, so the host copy exists once).
   std::vector<at::Tensor> pack_tensors(const std::vector<at::Tensor>& tensors);
+  // The tensor the layer holds for pack_tensors' view `index` when it is not the view itself but a tensor
+  // set to it (a Parameter whose data was set to the view: the bias): tensors_current() then knows it.
+  void adopt_tensor(std::size_t index, const at::Tensor& t);
   // False when a tensor is not the packed view any more (replaced): pack again. One modified in place
   // stays current (its device copy is dropped).
   bool tensors_current(const std::vector<at::Tensor>& tensors);

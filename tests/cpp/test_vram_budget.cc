@@ -74,6 +74,15 @@ TEST(VramBudget, TheRecorderWaitsForATrainingForwardThenPlansOnceTheOrderRepeate
   EXPECT_EQ(r.observe(1, true, hits), BudgetRecorder::Outcome::kStarted);
 }
 
+TEST(VramBudget, TheSteadyPeakAddsWhatTheWindowLeftHeldAndNothingForWhatItFreed) {
+  constexpr std::size_t kMiB = 1 << 20;
+  // The first step peaked at 6 GiB; 1.2 GiB of optimizer state made after it is still held.
+  EXPECT_EQ(steady_peak(6144 * kMiB, 1000 * kMiB, 2200 * kMiB), 7344 * kMiB);
+  // What the window freed (a text encoder dropped in the step) does not lower the peak.
+  EXPECT_EQ(steady_peak(6144 * kMiB, 3000 * kMiB, 1000 * kMiB), 6144 * kMiB);
+  EXPECT_EQ(steady_peak(6144 * kMiB, 1000 * kMiB, 1000 * kMiB), 6144 * kMiB);
+}
+
 TEST(VramBudget, TheRoomIsTheLimitLessThePeakWithoutTheRingAndTheHeadroom) {
   BudgetHeadroom h;
   EXPECT_EQ(h.threshold(), 0u);

@@ -141,8 +141,11 @@ def test_backend_streams_as_stored_and_trains_like_stock(engine, device, aitk_di
 
     # A call moves the layer's block: its buffers and bias as stored, nothing dequantized.
     x = torch.randn(2, 6, 256, dtype=DTYPE, generator=torch.Generator().manual_seed(5)).to(device)
+    host = [[t.data_ptr() for t in stored(lin)] for lin in managed.linears()]
     with torch.no_grad():
         assert first_call_bytes(managed, x) == sizes
+        # After a call the layer holds its host copies again, its bias too (the staged ones are gone).
+        assert [[t.data_ptr() for t in stored(lin)] for lin in managed.linears()] == host
         want = unmanaged(x)
         assert torch.equal(stock(x), want) and torch.equal(managed(x), want)
 
