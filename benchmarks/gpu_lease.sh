@@ -14,7 +14,7 @@ if [[ $what == start ]]; then
   rm -rf "$DIR" && mkdir -p "$DIR/out"
   # ITEMS: gpu_check items, comma-separated; groups separated by '/' run one after another in that order.
   setsid nohup bash -c 'rc=0; IFS=/; for group in $1; do OUT=$2/out benchmarks/gpu_check.sh "$group" || rc=1; done
-    echo $rc >$2/rc' _ "${2:?items}" "$DIR" </dev/null >"$DIR/console.log" 2>&1 &
+    echo $rc >"$2/rc"' _ "${2:?items}" "$DIR" </dev/null >"$DIR/console.log" 2>&1 &
   shift 2
 else
   shift 1

@@ -190,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         # get the flag in their argv and the variable through the environment.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
+        # cuDNN's and the memory-efficient attention keep their nondeterministic backward unless the flag is strict
+        # (seen on the H200: "cuDNN Attention defaults to a non-deterministic algorithm"); flash attention and the
+        # math path follow the flag.
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
     runs = sweep.jobs(args.modes, args.stock_sweep)
     if len(runs) > 1 or args.stock_sweep:
         rows = run_all(argv, runs)
