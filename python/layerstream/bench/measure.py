@@ -48,6 +48,17 @@ class _Nvml:
         return value.value
 
 
+def reset_peak_rss() -> bool:
+    """Start the peak resident set size again from the current one (Linux: "5" to /proc/self/clear_refs resets
+    VmHWM), so that peak_rss_bytes() tells the peak from here on. False where the platform cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def peak_rss_bytes() -> int | None:
     """Peak resident set size of this process.
 

@@ -80,6 +80,12 @@ def _library_version(name: str) -> str:
         return name
 
 
+def _from_attach(row: dict) -> str:
+    """The peak RSS from the attach on, after the process's own, where it was measured."""
+    value = row.get("peak_rss_from_attach_bytes")
+    return "" if value is None else f" ({_fmt(value, GiB)})"
+
+
 def _fmt(value, scale: float = 1.0, digits: int = 2) -> str:
     return "-" if value is None else f"{value / scale:.{digits}f}"
 
@@ -91,7 +97,7 @@ def label(row: dict) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| mode | s/step mean (min) | peak VRAM GiB alloc / reserved | peak RSS GiB | pinned GiB (exact) "
+        "| mode | s/step mean (min) | peak VRAM GiB alloc / reserved | peak RSS GiB (from attach) | pinned GiB (exact) "
         "| GiB/step over bus | floor s | x floor | phase floor s | x phase floor | J/step "
         "| compute waited for copies ms/step | first loss |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -109,7 +115,7 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(
             f"| {label(r)} | {_fmt(r['s_per_step_mean'], digits=3)} ({_fmt(r['s_per_step_min'], digits=3)}) "
             f"| {_fmt(r['peak_vram_allocated_bytes'], GiB)} / {_fmt(r['peak_vram_reserved_bytes'], GiB)} "
-            f"| {_fmt(r['peak_rss_bytes'], GiB)} | {_fmt(r['pinned_bytes'], GiB)}{exact} "
+            f"| {_fmt(r['peak_rss_bytes'], GiB)}{_from_attach(r)} | {_fmt(r['pinned_bytes'], GiB)}{exact} "
             f"| {_fmt(r['bytes_per_step'], GiB)} | {_fmt(r['floor_s'], digits=3)} "
             f"| {_fmt(r['ratio_to_floor'])} | {_fmt(r.get('phase_floor_s'), digits=3)} "
             f"| {_fmt(r.get('ratio_to_phase_floor'))} | {_fmt(r.get('joules_per_step'), digits=0)} "
@@ -153,6 +159,12 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
                        for r in rows if r["status"] == "ok")
     if losses:
         print("losses per step (warmup included):\n" + losses)
+    attach = "\n".join(f"  {label(r)}: {r['attach_s']:.1f} s" for r in rows
+                        if r["status"] == "ok" and r.get("attach_s") is not None)
+    if attach:
+        attach = "MemoryManager.attach (resident: the move to the device):\n" + attach
+        print(attach)
+        losses += "\n\n" + attach
     plans = budget_plans(rows)
     if plans:
         print(plans)
