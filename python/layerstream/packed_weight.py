@@ -153,6 +153,13 @@ class PackedWeight(torch.Tensor):
             if device is not None and torch.device(device).type == "meta":  # to("meta"): no decode needed
                 dtype = kwargs.get("dtype") or torch.bfloat16
                 return torch.empty(args[0]._ls_packed.shape, dtype=dtype, device="meta")
+        if (func is _ATEN.copy_.default and isinstance(args[0], PackedWeight) and args[0]._ls_packed.plain is None
+                and isinstance(args[1], torch.Tensor) and not isinstance(args[1], PackedWeight)
+                and tuple(args[1].shape) == args[0]._ls_packed.shape):
+            # Overwritten whole (load_state_dict): nothing to decode first.
+            state = args[0]._ls_packed
+            state.plain = torch.empty(state.shape, dtype=torch.bfloat16)
+            state.codes = None
         # Writes: the weight becomes plain (exact), and the op runs on it.
         written: list[_Packed] = []
         flat = list(args)

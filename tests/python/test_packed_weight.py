@@ -249,3 +249,21 @@ def test_doctor_checks_the_ram_for_the_weights_in_the_chosen_form(monkeypatch):
     assert doctor.chosen_host_dtype() == "lossless"
     with pytest.raises(ValueError, match="--host-dtype must be one of same, lossless"):
         doctor.run(weights_gb=1, host_dtype="fp8")
+
+
+def test_copying_a_weight_into_itself_and_assigning_data_keep_the_values(lossless, device):
+    torch.manual_seed(8)
+    layer = torch.nn.Linear(32, 16).to(torch.bfloat16).requires_grad_(False)
+    exact = layer.weight.detach().clone()
+    mm.LinearLayerMemoryManager.attach(layer, ContractManager(mm, layer, device))
+    w = layer.weight
+    with torch.no_grad():
+        w.copy_(w.data)  # its own values, through an alias of the same packed bytes
+    assert torch.equal(w, exact)
+    replacement = (torch.randn(16, 32) * 0.1).to(torch.bfloat16)
+    w.data = replacement  # set_data, as nn.Module._apply and loaders do
+    assert torch.equal(w, replacement) and w.data_ptr() == replacement.data_ptr()
+    x = torch.randn(3, 32, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, replacement.to(device), layer.bias.to(device)))
+    assert layer.weight is w and type(w) is PackedWeight and torch.equal(w, replacement)
