@@ -286,7 +286,7 @@ HostMemoryCounts host_memory_counts() {
 
 std::shared_ptr<HostBlockRef> StreamedLayer::new_block(const std::vector<std::pair<Packed*, at::Tensor>>& parts,
                                                        std::vector<at::Tensor>& views, bool shareable,
-                                                       std::size_t packed) {
+                                                       std::size_t packed, const std::function<void(char*)>& encode) {
   std::size_t total = 0;
   for (const auto& [p, src] : parts) {
     p->offset = align_up(total);
@@ -295,7 +295,14 @@ std::shared_ptr<HostBlockRef> StreamedLayer::new_block(const std::vector<std::pa
   LS_CHECK_ARG(total > 0, "a managed layer needs a non-empty weight");
   auto fill = [&](char* base) {
     at::NoGradGuard no_grad;
-    for (const auto& [p, src] : parts) view_of(base, *p, at::kCPU).copy_(src.detach());
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      const auto& [p, src] = parts[i];
+      if (i == 0 && encode) {
+        encode(base + p->offset);
+      } else {
+        view_of(base, *p, at::kCPU).copy_(src.detach());
+      }
+    }
   };
 
   std::shared_ptr<HostBlockRef> block;
@@ -319,9 +326,14 @@ std::shared_ptr<HostBlockRef> StreamedLayer::new_block(const std::vector<std::pa
       // The shared copy must be what this rank would have packed: a rank that loaded other weights
       // would otherwise train on rank 0's without a word.
       at::NoGradGuard no_grad;
-      for (const auto& [p, src] : parts) {
+      for (std::size_t i = 0; i < parts.size(); ++i) {
+        const auto& [p, src] = parts[i];
         at::Tensor mine = at::empty_strided(p->sizes, p->strides, at::TensorOptions().dtype(p->dtype));
-        mine.copy_(src.detach());
+        if (i == 0 && encode) {
+          encode(static_cast<char*>(mine.data_ptr()));
+        } else {
+          mine.copy_(src.detach());
+        }
         LS_CHECK(std::memcmp(mine.data_ptr(), block->data() + p->offset, p->bytes) == 0,
                  "this rank's weights differ from the host copy that local rank 0 packed (a tensor of shape ",
                  at::IntArrayRef(p->sizes), "): every rank must load the same model; LAYERSTREAM_SHARE_HOST=0 "
@@ -424,27 +436,40 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias, bool 
   const bool lossless_takes = host.lossless && weight.numel() > 0 && wt == at::kBFloat16 && weight.is_contiguous() &&
                               static_cast<std::size_t>(weight.numel()) <= kLosslessMaxCount && decoder;
   // A weight whose exponents spread too widely (8 bytes per exception) packs no smaller: stored as it is.
-  std::optional<std::pair<at::Tensor, LosslessSpec>> packed;
-  if (lossless_takes && frozen) packed = lossless_pack(values, /*only_if_smaller=*/true);
-  const bool to_lossless = packed.has_value();
+  // The table first (one pass over the values); the encoder then writes straight into the arena block.
+  at::Tensor exact;
+  std::optional<LosslessSpec> spec;
+  if (lossless_takes && frozen) {
+    exact = values.detach().to(at::kCPU).contiguous();
+    spec = lossless_plan(static_cast<const std::uint16_t*>(exact.data_ptr()), static_cast<std::size_t>(exact.numel()));
+    if (spec->bytes() >= exact.nbytes()) spec.reset();
+  }
+  const bool to_lossless = spec.has_value();
   const bool to_float8 = float8_takes && frozen;
   const bool compress = to_float8 || to_lossless;
   Packed w, b;
   std::optional<QuantParts> q;
   std::vector<std::pair<Packed*, at::Tensor>> parts;
   at::Tensor codes, scale;
+  std::function<void(char*)> encode;
   if (to_lossless) {
-    // Frozen bfloat16 weight packed exactly (lossless.h); as for float8, the Parameter keeps its values in
-    // ordinary (pageable) host memory, outside the arena.
-    codes = packed->first;
-    w = describe(codes, {1}, at::kByte);
+    // Frozen bfloat16 weight packed exactly (lossless.h), encoded straight into the block; the caller
+    // (module.cc) then makes the Parameter a PackedWeight of those bytes.
+    w.sizes = {static_cast<std::int64_t>(spec->bytes())};
+    w.strides = {1};
+    w.dtype = at::kByte;
+    w.bytes = spec->bytes();
+    w.defined = true;
     q.emplace();
     q->math = wt;
     q->result = wt;
     q->compressed = true;
-    q->lossless = packed->second;
+    q->lossless = *spec;
     q->sizes = weight.sizes().vec();
-    parts = {{&w, codes}};
+    parts = {{&w, exact}};
+    encode = [&exact, s = *spec](char* dst) {
+      lossless_encode(s, static_cast<const std::uint16_t*>(exact.data_ptr()), dst);
+    };
   } else if (to_float8) {
     const at::ScalarType f8 = *host.float8;
     // Frozen weight kept as 8-bit codes with a float32 scale per output channel (amax / largest code);
@@ -475,7 +500,7 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias, bool 
   // Frozen blocks may be shared between the ranks of the host; a trainable one is written by its optimizer.
   const bool shareable = !weight.requires_grad() && !(bias.defined() && bias.requires_grad());
   const std::size_t packed_part = compress ? w.bytes + (q && q->scale.defined ? align_up(q->scale.bytes) : 0) : 0;
-  auto block = new_block(parts, views, shareable, packed_part);
+  auto block = new_block(parts, views, shareable, packed_part, encode);
 
   // Swap the Parameters' data (identity kept), then remember what they must look like. A compressed
   // weight's Parameter keeps its exact values outside the arena: pageable host memory (a lossless one

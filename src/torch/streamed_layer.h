@@ -16,6 +16,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -199,8 +200,11 @@ class StreamedLayer : public torch::CustomClassHolder {
   // `shareable`: frozen contents that may live in the host copy the ranks share (host_share.h).
   // `packed`: how many of the block's bytes hold a packed (compressed) weight (host_memory_counts()).
   // The views' storages and block_account_ keep the block and its count.
+  // `encode`: fills the first part instead of copying its source (the lossless encoder, straight into the
+  // block: no packed copy on the side).
   std::shared_ptr<HostBlockRef> new_block(const std::vector<std::pair<Packed*, at::Tensor>>& parts,
-                                          std::vector<at::Tensor>& views, bool shareable, std::size_t packed = 0);
+                                          std::vector<at::Tensor>& views, bool shareable, std::size_t packed = 0,
+                                          const std::function<void(char*)>& encode = {});
   // Makes the new block current (the previous registration is left; its bytes stay valid until the
   // engine lets go of them). Caller holds mu_.
   void install(std::shared_ptr<HostBlockRef> block, Packed w, Packed b, std::optional<QuantParts> q);
