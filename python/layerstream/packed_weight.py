@@ -198,21 +198,30 @@ def is_packed(t: Any) -> bool:
 
 
 def _swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
-    """torch.utils.swap_tensors, also for a frozen leaf that a finished graph's gradient accumulator still
-    holds (a weight trained, then frozen): swap_tensors accepts that holder only for a tensor that requires
-    grad (it then makes the accumulator refuse any later use), so the leaf requires grad for the swap."""
+    """torch.utils.swap_tensors (t1 and t2 of different classes), also for a frozen leaf that a finished
+    graph's gradient accumulator still holds (a weight trained, then frozen): swap_tensors accepts that
+    holder only for a tensor that requires grad (it then makes the accumulator refuse any later use), so the
+    leaf requires grad for the swap. A swap refused at its last check (a C++ weak reference to a TensorImpl:
+    another managed layer holds the Parameter) has already exchanged the classes and attributes: they are
+    put back before the error is raised."""
+    cls1, cls2 = type(t1), type(t2)
     frozen = t1.is_leaf and not t1.requires_grad and t1._use_count() == 2
-    if not frozen:
-        torch.utils.swap_tensors(t1, t2)
-        return
     keep = t2.requires_grad
-    t1.requires_grad_(True)
-    t2.requires_grad_(True)
+    if frozen:
+        t1.requires_grad_(True)
+        t2.requires_grad_(True)
     try:
         torch.utils.swap_tensors(t1, t2)
+    except RuntimeError:
+        if type(t1) is cls2 and type(t2) is cls1:  # half done: classes and __dict__ exchanged, not the data
+            t1.__class__, t2.__class__ = cls1, cls2
+            d1, d2 = t1.__dict__, t2.__dict__
+            t1.__dict__, t2.__dict__ = d2, d1
+        raise
     finally:
-        t1.requires_grad_(keep)
-        t2.requires_grad_(False)
+        if frozen:
+            t1.requires_grad_(keep)
+            t2.requires_grad_(False)
 
 
 def wrap(param: torch.Tensor, codes: torch.Tensor, spec: tuple, shape) -> bool:
@@ -236,8 +245,7 @@ def wrap(param: torch.Tensor, codes: torch.Tensor, spec: tuple, shape) -> bool:
 def unwrap(weight: PackedWeight) -> None:
     """Turns a PackedWeight back into a plain tensor (or Parameter) of its exact values, in place (the same
     object): for a weight unfrozen or written since it was packed (module.cc, before the layer's use)."""
-    state = weight._ls_packed
-    plain = state.materialize()
+    plain = weight._ls_packed.values()  # the state is left as it is: a refused swap changes nothing
     is_param = getattr(weight, "_is_param", False)
     if is_param:
         new = torch.nn.Parameter(plain, requires_grad=weight.requires_grad)

@@ -132,6 +132,11 @@ py::module_& packed_weight_module() {
   return *m;
 }
 
+bool is_packed_weight(const py::handle& obj) {
+  static py::object* type = new py::object(packed_weight_module().attr("PackedWeight"));
+  return !obj.is_none() && py::type::of(obj).is(*type);
+}
+
 // A plain dense tensor (Parameter or Tensor, not a subclass, not quantized) can be packed; so can a
 // PackedWeight (its exact values, decoded).
 bool is_plain(const py::handle& obj) {
@@ -139,7 +144,7 @@ bool is_plain(const py::handle& obj) {
   py::object type = py::type::of(obj);
   const py::object parameter_type = torch_module().attr("nn").attr("Parameter");
   const py::object tensor_type = torch_module().attr("Tensor");
-  if (type.is(packed_weight_module().attr("PackedWeight"))) return true;
+  if (is_packed_weight(obj)) return true;
   if (!type.is(parameter_type) && !type.is(tensor_type)) {
     return false;
   }
@@ -476,7 +481,7 @@ py::object param_of(const py::object& module, const char* name) {
 void sync_packed_weight(const py::object& module, StreamedLayer& layer) {
   py::module_& pw = packed_weight_module();
   py::object w = param_of(module, "weight");
-  if (py::isinstance(w, pw.attr("PackedWeight"))) {
+  if (is_packed_weight(w)) {
     bool keep = false;
     {
       const at::Tensor t = w.cast<at::Tensor>();
@@ -551,7 +556,9 @@ py::cpp_function make_forward(const py::object& module, const py::object& manage
     if (path == "ostris") return ostris_forward(module, mgr.cast<LayerManager&>(), mgr.attr("_original_forward"), x, state);
     if (path == "generic") return generic_forward(module, x, conv, state);
     if (path == "quantized") return quantized_forward(module, mgr.cast<LayerManager&>(), x, conv, state);
-    if (layer->lossless_takes_weight()) sync_packed_weight(module, *layer);
+    if (layer->lossless_takes_weight() || is_packed_weight(param_of(module, "weight"))) {
+      sync_packed_weight(module, *layer);
+    }
     const at::Tensor weight = param_of(module, "weight").cast<at::Tensor>();
     const at::Tensor bias = tensor_or_undefined(param_of(module, "bias"));
     return py::cast(layer->forward(x.cast<at::Tensor>(), weight, bias));
@@ -611,9 +618,19 @@ void attach(const py::object& module, const py::object& manager, Which which) {
     if (plain) {
       core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,
                                                       conv ? conv_params_of(module) : ConvParams{});
+      if (is_packed_weight(weight)) {
+        // A PackedWeight (of a layer managed before): plain again, packed below as this layer's. One that
+        // another live layer holds (tied weights) cannot be swapped; it stays as it is.
+        try {
+          packed_weight_module().attr("unwrap")(weight);
+        } catch (const py::error_already_set&) {
+        }
+      }
       // A Parameter another managed layer already packed (tied weights): that layer's block keeps it.
       const bool tied = py::hasattr(weight, "_is_memory_managed");
-      core.layer->pack(weight.cast<at::Tensor>(), tensor_or_undefined(bias), tied);
+      const at::Tensor values =
+          is_packed_weight(weight) ? weight.attr("_ls_packed").attr("values")().cast<at::Tensor>() : at::Tensor();
+      core.layer->pack(weight.cast<at::Tensor>(), tensor_or_undefined(bias), tied, values);
       if (core.layer->lossless_takes_weight()) sync_packed_weight(module, *core.layer);
       core.path = state->mode() == Mode::kCpu ? "cpu" : "streamed";
     } else if (!empty && (!conv || conv_is_plain(module)) && is_plain(bias) && streams_quantized(weight)) {

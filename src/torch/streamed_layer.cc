@@ -415,13 +415,17 @@ void remember_identity(Packed& p, const at::Tensor& t) {
 
 }  // namespace
 
-void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias, bool tied) {
+void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias, bool tied, const at::Tensor& given) {
   LS_CHECK_ARG(weight.defined(), "a managed layer needs a weight");
   check_not_inference(weight, "weight");
   check_not_inference(bias, "bias");
-  // A PackedWeight (another layer's, tied; or one whose layer packs it again) gives its exact values
-  // decoded, for this packing only; the Parameter keeps its identity.
-  const at::Tensor values = is_python_tensor(weight) ? weight.detach().clone() : weight;
+  // A PackedWeight (another layer's, tied) is packed from its exact values, decoded by the caller for this
+  // packing only; the Parameter keeps its identity.
+  LS_CHECK_ARG(!is_python_tensor(weight) || given.defined(),
+               "layerstream: this layer's weight is a PackedWeight (LAYERSTREAM_HOST_DTYPE=lossless) that another "
+               "managed layer holds and that was written or unfrozen; give this layer a plain Parameter of its own: "
+               "layer.weight = torch.nn.Parameter(layer.weight.clone(), requires_grad=...)");
+  const at::Tensor values = is_python_tensor(weight) ? given : weight;
   const HostStorage host = host_storage_setting();
   const bool decoder = host.lossless && lossless_decoder_here();  // may log: before the lock
   std::lock_guard<std::mutex> lock(mu_);
@@ -511,9 +515,10 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias, bool 
     if (!weight.is_cpu()) at::Tensor(weight).set_data(weight.detach().to(at::kCPU));
     if (!is_python_tensor(weight)) pageable_ = static_cast<std::int64_t>(weight.nbytes());
   } else if (!tied) {
-    if (is_python_tensor(weight)) {
-      LS_CHECK_ARG(false, "internal: a PackedWeight must be made plain before its layer stores it as it is");
-    }
+    LS_CHECK_ARG(!is_python_tensor(weight),
+                 "layerstream: this layer's weight is a PackedWeight (LAYERSTREAM_HOST_DTYPE=lossless) that could "
+                 "not be made plain to be stored as it is (another layer holds it); assign it a plain Parameter: "
+                 "layer.weight = torch.nn.Parameter(layer.weight.clone(), requires_grad=...)");
     at::Tensor(weight).set_data(views[0]);
   }
   g_pageable += pageable_;

@@ -117,7 +117,9 @@ class StreamedLayer : public torch::CustomClassHolder {
   // `tied`: the weight Parameter is already a view of another managed layer's block (one Parameter in two
   // layers): this block holds a copy of its bytes for the transfers, and its data stays where it is (two
   // layers swapping it back and forth packed it again at every call).
-  void pack(const at::Tensor& weight, const at::Tensor& bias, bool tied = false);
+  // `values`: the weight's exact values when `weight` is a PackedWeight (packed_weight.py; its values come
+  // from Python: torch's C++ dispatch into a Python subclass is not used here), else undefined.
+  void pack(const at::Tensor& weight, const at::Tensor& bias, bool tied = false, const at::Tensor& values = {});
   // Called at every use: re-packs when the Parameters were replaced or their data swapped, and drops
   // the device copy when they were modified in place.
   void refresh(const at::Tensor& weight, const at::Tensor& bias);

@@ -42,9 +42,10 @@ def test_a_1gib_model_costs_its_packed_bytes_and_every_read_is_exact():
     assert r["rss_attached"] - r["rss_base"] <= 0.80 * weights
     assert r["host_pageable_bytes"] == 0 and r["host_pinned_plain_bytes"] == 0
     assert r["host_pinned_packed_bytes"] == r["host_bytes_requested"] <= 0.76 * weights
-    # Attaching never held more than the model itself plus one layer's packing (its packed bytes, twice).
+    # Attaching never held more than the model itself plus one layer's packed block (encoded straight into
+    # the arena; the layer's plain weight goes when its Parameter becomes a PackedWeight). Measured: 0.75x.
     layer = weights // r["layers"]
-    assert r["rss_attach_peak"] - r["rss_with_weights"] <= 2 * layer
+    assert r["rss_attach_peak"] - r["rss_with_weights"] <= layer
     # Reads decode on demand and keep nothing: after a forward and a full state_dict pass the process
     # holds what it held after the attach, plus the simulator's device ring (host memory here, VRAM on a
     # GPU), within 64 MiB of allocator noise.

@@ -267,3 +267,39 @@ def test_copying_a_weight_into_itself_and_assigning_data_keep_the_values(lossles
     with torch.no_grad():
         assert torch.equal(layer(x), torch.nn.functional.linear(x, replacement.to(device), layer.bias.to(device)))
     assert layer.weight is w and type(w) is PackedWeight and torch.equal(w, replacement)
+
+
+def test_a_model_detached_then_attached_without_lossless_is_stored_plain(lossless, device, monkeypatch):
+    model = _model()
+    reference = copy.deepcopy(model).to(device)
+    manager = ContractManager.attach(mm, model, device)
+    manager.to_device()
+    manager.detach()
+    # Upstream's detach leaves the old Parameter in _parameters behind the plain clone it sets.
+    assert all(type(m._parameters["weight"]) is PackedWeight for m in _linears(model))
+    monkeypatch.delenv("LAYERSTREAM_HOST_DTYPE")
+    clear_device_states()
+    ContractManager.attach(mm, model, device).to_device()
+    assert all(type(m._parameters["weight"]) is torch.nn.Parameter for m in _linears(model))
+    assert {m._layer_memory_manager.stored_as for m in _linears(model)} == {"BFloat16"}
+    with torch.no_grad():
+        x = torch.randn(2, 5, 64, dtype=torch.bfloat16, device=device)
+        assert torch.equal(model(x), reference(x))
+
+
+def test_a_layer_given_another_layers_packed_weight_computes_with_its_values(lossless, device, monkeypatch):
+    torch.manual_seed(9)
+    a = torch.nn.Linear(32, 16, bias=False).to(torch.bfloat16).requires_grad_(False)
+    exact = a.weight.detach().clone()
+    mm.LinearLayerMemoryManager.attach(a, ContractManager(mm, a, device))
+    b = torch.nn.Linear(32, 16, bias=False).to(torch.bfloat16)
+    b.weight = a.weight  # one Parameter, two layers (tied); b is stored without lossless
+    monkeypatch.delenv("LAYERSTREAM_HOST_DTYPE")
+    clear_device_states()
+    mm.LinearLayerMemoryManager.attach(b, ContractManager(mm, b, device))
+    x = torch.randn(3, 32, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        assert torch.equal(b(x), torch.nn.functional.linear(x, exact.to(device)))
+        assert torch.equal(a(x), torch.nn.functional.linear(x, exact.to(device)))
+    assert type(a.weight) is PackedWeight and b.weight is a.weight
+    assert a.weight._ls_packed.plain is None  # b's attach could not make it plain, and left it packed
