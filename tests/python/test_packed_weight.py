@@ -303,3 +303,17 @@ def test_a_layer_given_another_layers_packed_weight_computes_with_its_values(los
         assert torch.equal(a(x), torch.nn.functional.linear(x, exact.to(device)))
     assert type(a.weight) is PackedWeight and b.weight is a.weight
     assert a.weight._ls_packed.plain is None  # b's attach could not make it plain, and left it packed
+
+
+def test_float8_counts_the_plain_copy_its_parameter_keeps_as_pageable(engine, device, monkeypatch):
+    monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "float8_e4m3fn")
+    clear_device_states()
+    before = _host_counts()
+    layer = torch.nn.Linear(64, 32).to(torch.bfloat16).requires_grad_(False)
+    mm.LinearLayerMemoryManager.attach(layer, ContractManager(mm, layer, device))
+    assert type(layer.weight) is torch.nn.Parameter  # float8 is not exact: the Parameter keeps its values
+    codes, scale, bias = 32 * 64, 32 * 4, 32 * 2  # float8 codes, a float32 scale per row, the bf16 bias
+    packed = _align(codes) + scale
+    assert layer._layer_memory_manager.packed_bytes == _align(packed) + bias
+    # Packed: the codes and the scale up to the bias's alignment; plain: the bias; pageable: the Parameter.
+    assert tuple(a - b for a, b in zip(_host_counts(), before)) == (_align(packed), bias, layer.weight.nbytes)
