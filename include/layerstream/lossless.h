@@ -47,6 +47,11 @@ LosslessSpec lossless_plan(const std::uint16_t* values, std::size_t count);
 // Writes spec.bytes() bytes at `out` (padding zeroed). `spec` must be lossless_plan's for these values.
 void lossless_encode(const LosslessSpec& spec, const std::uint16_t* values, void* out);
 
+// How many threads lossless_plan and lossless_encode run on (0: one per core, the default). Their output
+// is the same for any number (the values are split into fixed-size chunks, whatever the threads).
+void lossless_set_threads(unsigned threads);
+unsigned lossless_threads();
+
 // Rebuilds spec.count bfloat16 bit patterns at `out` from an encoded buffer.
 void lossless_decode_host(const LosslessSpec& spec, const void* encoded, std::uint16_t* out);
 

@@ -42,7 +42,7 @@ def _status(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from layerstream import doctor
 
-    return doctor.run(aitk=args.aitk, weights_gb=args.weights_gb)
+    return doctor.run(aitk=args.aitk, weights_gb=args.weights_gb, host_dtype=args.host_dtype)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--weights-gb", type=float,
                      help="the managed weights' size in GiB (e.g. 22 for FLUX.1, 60 for FLUX.2 in bf16), "
                           "checked against host RAM")
+    sub.add_argument("--host-dtype", choices=["same", "lossless", "float8_e4m3fn", "float8_e5m2"],
+                     help="the form the weights are kept in on the host (default: LAYERSTREAM_HOST_DTYPE as set)")
     return parser
 
 

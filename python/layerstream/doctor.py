@@ -89,7 +89,27 @@ def host_ram() -> tuple[int, int] | None:
     return None
 
 
-def _host_ram_line(weights_gb: float | None) -> Line:
+# Host bytes per byte of bf16 weights, in each form LAYERSTREAM_HOST_DTYPE chooses (docs/ai-toolkit.md):
+# as they are, pinned; lossless, the packed bytes only, pinned (0.751 measured on the FLUX shapes; the
+# Parameter is a PackedWeight); float8, half the bytes pinned plus the Parameter's exact copy, pageable.
+HOST_BYTES_PER_WEIGHT_BYTE = {"same": 1.0, "lossless": 0.76, "float8_e4m3fn": 1.5, "float8_e5m2": 1.5}
+
+
+def chosen_host_dtype() -> str:
+    """LAYERSTREAM_HOST_DTYPE as this process sets it, else as layerstream's settings have it (AI-Toolkit's
+    .env, where the extension resolves it); "same" when unset or not a known form."""
+    value = os.environ.get("LAYERSTREAM_HOST_DTYPE", "").strip().lower()
+    if not value:
+        try:
+            from layerstream import manager_modules
+
+            value = manager_modules.settings()["host_dtype"]
+        except Exception:  # the extension does not load, or a setting is invalid
+            value = "same"
+    return value if value in HOST_BYTES_PER_WEIGHT_BYTE else "same"
+
+
+def _host_ram_line(weights_gb: float | None, host_dtype: str = "same") -> Line:
     ram = host_ram()
     if ram is None:
         return Line("SKIP", "host RAM", "skipped: this platform does not report it")
@@ -98,11 +118,20 @@ def _host_ram_line(weights_gb: float | None) -> Line:
     if weights_gb is None:
         return Line("OK", "host RAM", detail + " (layerstream keeps one copy of the managed weights there: "
                                                "--weights-gb N checks a model of N GiB)")
-    # The weights once, pinned (1.00x in docs/benchmarks.md), plus what the trainer itself holds.
-    need = weights_gb * GiB * 1.1
+    factor = HOST_BYTES_PER_WEIGHT_BYTE[host_dtype]
+    # The weights in the chosen form, plus what the trainer itself holds.
+    need = weights_gb * GiB * factor * 1.1
     verdict = "OK" if available >= need else ("WARN" if total >= need else "FAIL")
-    return Line(verdict, "host RAM", f"{detail}; {weights_gb:g} GiB of managed weights need about "
-                                     f"{need / GiB:.0f} GiB (the weights plus 10%)")
+    form = "as they are" if host_dtype == "same" else f"LAYERSTREAM_HOST_DTYPE={host_dtype}"
+    detail += (f"; {weights_gb:g} GiB of bf16 weights, {form}, need about {need / GiB:.1f} GiB "
+               f"({factor:g}x the weights plus 10%)")
+    lossless_need = weights_gb * GiB * HOST_BYTES_PER_WEIGHT_BYTE["lossless"] * 1.1
+    if verdict != "OK" and host_dtype != "lossless" and available >= lossless_need:
+        detail += (f"; LAYERSTREAM_HOST_DTYPE=lossless (exact) would need about {lossless_need / GiB:.1f} GiB, "
+                   "which is available")
+    elif verdict != "OK":
+        detail += ": the weights do not fit in the RAM available (the system will swap or kill the trainer)"
+    return Line(verdict, "host RAM", detail)
 
 
 def _windows_line() -> Line | None:
@@ -150,9 +179,11 @@ def _gpu_lines(torch, aitk: bool) -> list[Line]:
     return lines
 
 
-def run(aitk: bool = False, weights_gb: float | None = None) -> int:
+def run(aitk: bool = False, weights_gb: float | None = None, host_dtype: str | None = None) -> int:
     if weights_gb is not None and not weights_gb > 0:
         raise ValueError(f"--weights-gb must be a positive number of GiB (e.g. --weights-gb 22), not {weights_gb}")
+    if host_dtype is not None and host_dtype not in HOST_BYTES_PER_WEIGHT_BYTE:
+        raise ValueError(f"--host-dtype must be one of {', '.join(HOST_BYTES_PER_WEIGHT_BYTE)}, not {host_dtype}")
     lines: list[Line] = []
     try:
         import torch
@@ -163,7 +194,7 @@ def run(aitk: bool = False, weights_gb: float | None = None) -> int:
         lines.append(_torch_line(torch, aitk))
         lines.append(_check_extension())
         lines.extend(_gpu_lines(torch, aitk))
-    lines.append(_host_ram_line(weights_gb))
+    lines.append(_host_ram_line(weights_gb, host_dtype or chosen_host_dtype()))
     windows = _windows_line()
     if windows is not None:
         lines.append(windows)

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <atomic>
 #include <numeric>
 #include <thread>
 #include <vector>
@@ -25,30 +26,37 @@ std::uint16_t rebuild(std::uint8_t low, std::uint8_t exponent) {
   return static_cast<std::uint16_t>(((low & 0x80u) << 8) | (static_cast<unsigned>(exponent) << 7) | (low & 0x7Fu));
 }
 
-// How many pieces in_pieces splits `count` values into: one per core, each of at least a few MiB.
-std::size_t piece_count(std::size_t count) {
-  constexpr std::size_t kMinPiece = std::size_t{1} << 21;
-  const std::size_t cores = std::max<std::size_t>(1, std::thread::hardware_concurrency());
-  return std::max<std::size_t>(1, std::min(cores, count / kMinPiece));
+// The threads lossless_plan and lossless_encode use (lossless_set_threads; 0: one per core).
+std::atomic<unsigned> g_threads{0};
+
+unsigned threads_to_use() {
+  const unsigned set = g_threads.load(std::memory_order_relaxed);
+  return set != 0 ? set : std::max(1u, std::thread::hardware_concurrency());
 }
 
-// Splits [0, count) into piece_count(count) even-sized pieces (a nibble byte never straddles two pieces:
-// every piece but the last has an even length) and runs fn(piece, begin, end), one thread per piece.
+// The values are split into chunks of a fixed length (the last one shorter), whatever the thread count,
+// so that every output (the exception list's order included: chunk by chunk) is the same for any number of
+// threads. Chunks are even-sized: a code byte (two values) never straddles two chunks.
+constexpr std::size_t kChunk = std::size_t{1} << 20;
+
+std::size_t chunk_count(std::size_t count) { return (count + kChunk - 1) / kChunk; }
+
+// Runs fn(chunk, begin, end) for every chunk, on min(threads, chunks) threads (the caller's among them),
+// each taking the next chunk not yet taken.
 template <typename Fn>
-void in_pieces(std::size_t count, Fn&& fn) {
-  const std::size_t pieces = piece_count(count);
-  const std::size_t length = (count / pieces + 1) & ~std::size_t{1};
-  std::vector<std::thread> threads;
-  threads.reserve(pieces);
-  for (std::size_t p = 0; p < pieces; ++p) {
-    const std::size_t begin = std::min(count, p * length);
-    const std::size_t end = p + 1 == pieces ? count : std::min(count, begin + length);
-    if (p + 1 == pieces) {
-      fn(p, begin, end);  // the calling thread takes the last piece
-    } else {
-      threads.emplace_back([&fn, p, begin, end] { fn(p, begin, end); });
+void in_chunks(std::size_t count, Fn&& fn) {
+  const std::size_t chunks = chunk_count(count);
+  const std::size_t workers = std::min<std::size_t>(threads_to_use(), chunks);
+  std::atomic<std::size_t> next{0};
+  auto work = [&] {
+    for (std::size_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      fn(c, c * kChunk, std::min(count, (c + 1) * kChunk));
     }
-  }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(workers > 0 ? workers - 1 : 0);
+  for (std::size_t t = 1; t < workers; ++t) threads.emplace_back(work);
+  work();
   for (auto& t : threads) t.join();
 }
 
@@ -62,12 +70,20 @@ LosslessSpec lossless_plan(const std::uint16_t* values, std::size_t count) {
   LS_CHECK_ARG(count > 0 && count <= kLosslessMaxCount, "lossless packing takes 1 to ", kLosslessMaxCount,
                " values per tensor, not ", count);
   LS_CHECK_ARG(values != nullptr, "lossless_plan: no values");
-  const std::size_t pieces = piece_count(count);
+  const std::size_t pieces = chunk_count(count);
   std::vector<std::array<std::size_t, 256>> partial(pieces);
-  in_pieces(count, [&](std::size_t p, std::size_t begin, std::size_t end) {
-    std::array<std::size_t, 256> h{};
-    for (std::size_t i = begin; i < end; ++i) ++h[exponent_of(values[i])];
-    partial[p] = h;
+  in_chunks(count, [&](std::size_t p, std::size_t begin, std::size_t end) {
+    // Four histograms, summed at the end: consecutive equal exponents do not wait on one counter.
+    std::array<std::array<std::uint32_t, 256>, 4> h{};
+    std::size_t i = begin;
+    for (; i + 4 <= end; i += 4) {
+      ++h[0][exponent_of(values[i])];
+      ++h[1][exponent_of(values[i + 1])];
+      ++h[2][exponent_of(values[i + 2])];
+      ++h[3][exponent_of(values[i + 3])];
+    }
+    for (; i < end; ++i) ++h[0][exponent_of(values[i])];
+    for (std::size_t e = 0; e < 256; ++e) partial[p][e] = std::size_t{h[0][e]} + h[1][e] + h[2][e] + h[3][e];
   });
   std::array<std::size_t, 256> histogram{};
   for (std::size_t p = 0; p < pieces; ++p) {
@@ -108,23 +124,31 @@ void lossless_encode(const LosslessSpec& spec, const std::uint16_t* values, void
   std::memset(low + spec.count, 0, spec.codes_offset() - spec.count);
   const std::size_t code_bytes = (spec.count + 1) / 2;
   std::memset(codes + code_bytes, 0, spec.exceptions_offset() - spec.codes_offset() - code_bytes);
-  const std::size_t pieces = piece_count(spec.count);
+  const std::size_t pieces = chunk_count(spec.count);
   std::vector<std::vector<std::uint32_t>> found(pieces);
-  in_pieces(spec.count, [&](std::size_t p, std::size_t begin, std::size_t end) {
+  in_chunks(spec.count, [&](std::size_t p, std::size_t begin, std::size_t end) {
     std::vector<std::uint32_t>& mine = found[p];
-    for (std::size_t i = begin; i < end; i += 2) {
-      std::uint8_t byte = 0;
-      for (std::size_t k = i; k < std::min(i + 2, end); ++k) {
-        const std::uint16_t v = values[k];
-        low[k] = low_byte_of(v);
-        const std::uint8_t code = code_of[exponent_of(v)];
-        byte |= static_cast<std::uint8_t>(code << (4 * (k - i)));
-        if (code == LosslessSpec::kException) {
-          mine.push_back(static_cast<std::uint32_t>(k));
-          mine.push_back(exponent_of(v));
-        }
+    const auto except = [&](std::size_t k) {
+      mine.push_back(static_cast<std::uint32_t>(k));
+      mine.push_back(exponent_of(values[k]));
+    };
+    std::size_t i = begin;
+    for (; i + 2 <= end; i += 2) {  // two values, one code byte
+      const std::uint16_t v0 = values[i], v1 = values[i + 1];
+      low[i] = low_byte_of(v0);
+      low[i + 1] = low_byte_of(v1);
+      const std::uint8_t c0 = code_of[exponent_of(v0)], c1 = code_of[exponent_of(v1)];
+      codes[i / 2] = static_cast<std::uint8_t>(c0 | (c1 << 4));
+      if (c0 == LosslessSpec::kException || c1 == LosslessSpec::kException) {  // rare
+        if (c0 == LosslessSpec::kException) except(i);
+        if (c1 == LosslessSpec::kException) except(i + 1);
       }
-      codes[i / 2] = byte;
+    }
+    if (i < end) {  // an odd count: the last value alone in its byte
+      low[i] = low_byte_of(values[i]);
+      const std::uint8_t c0 = code_of[exponent_of(values[i])];
+      codes[i / 2] = c0;
+      if (c0 == LosslessSpec::kException) except(i);
     }
   });
   std::size_t listed = 0;
@@ -137,6 +161,10 @@ void lossless_encode(const LosslessSpec& spec, const std::uint16_t* values, void
     list += found[p].size();
   }
 }
+
+void lossless_set_threads(unsigned threads) { g_threads.store(threads, std::memory_order_relaxed); }
+
+unsigned lossless_threads() { return threads_to_use(); }
 
 void lossless_decode_host(const LosslessSpec& spec, const void* encoded, std::uint16_t* out) {
   LS_CHECK_ARG(encoded != nullptr && out != nullptr, "lossless_decode_host: no input or no output");

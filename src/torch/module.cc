@@ -125,12 +125,26 @@ std::shared_ptr<DeviceState> state_for(const py::object& device_obj) {
   return state;
 }
 
-// A plain dense tensor (Parameter or Tensor, not a subclass, not quantized) can be packed.
+// layerstream.packed_weight (PackedWeight: a lossless frozen weight's Parameter holding only the packed
+// bytes), imported at its first use.
+py::module_& packed_weight_module() {
+  static py::module_* m = new py::module_(py::module_::import("layerstream.packed_weight"));
+  return *m;
+}
+
+bool is_packed_weight(const py::handle& obj) {
+  static py::object* type = new py::object(packed_weight_module().attr("PackedWeight"));
+  return !obj.is_none() && py::type::of(obj).is(*type);
+}
+
+// A plain dense tensor (Parameter or Tensor, not a subclass, not quantized) can be packed; so can a
+// PackedWeight (its exact values, decoded).
 bool is_plain(const py::handle& obj) {
   if (obj.is_none()) return true;
   py::object type = py::type::of(obj);
   const py::object parameter_type = torch_module().attr("nn").attr("Parameter");
   const py::object tensor_type = torch_module().attr("Tensor");
+  if (is_packed_weight(obj)) return true;
   if (!type.is(parameter_type) && !type.is(tensor_type)) {
     return false;
   }
@@ -467,6 +481,38 @@ py::object param_of(const py::object& module, const char* name) {
   return py::getattr(module, name, py::none());
 }
 
+// LAYERSTREAM_HOST_DTYPE=lossless, at attach and before each use of a layer whose weight the setting
+// takes: a PackedWeight Parameter that was unfrozen or written (or is not this layer's) is made plain
+// again (exact, in place); the layer is brought up to date (packed again where needed); and a weight the
+// layer now holds packed gets a PackedWeight Parameter (in place), so that the process keeps no plain copy.
+// No at::Tensor of the Parameter may be held across the swaps (torch.utils.swap_tensors refuses).
+void sync_packed_weight(const py::object& module, StreamedLayer& layer) {
+  py::module_& pw = packed_weight_module();
+  py::object w = param_of(module, "weight");
+  if (is_packed_weight(w)) {
+    bool keep = false;
+    {
+      const at::Tensor t = w.cast<at::Tensor>();
+      keep = !t.requires_grad() && layer.holds_packed_parameter(t);
+    }
+    if (!keep || w.attr("_ls_packed").attr("writes").cast<std::int64_t>() != 0) {
+      layer.forget_weight_parameter();  // packed again below, from the plain values
+      pw.attr("unwrap")(w);
+    }
+  }
+  {
+    const at::Tensor t = w.cast<at::Tensor>();
+    layer.refresh(t, tensor_or_undefined(param_of(module, "bias")));
+  }
+  if (const auto bytes = layer.packed_weight_to_wrap()) {
+    const std::vector<int> table(bytes->spec.exponent.begin(), bytes->spec.exponent.end());
+    const py::tuple spec = py::make_tuple(bytes->spec.count, bytes->spec.exceptions, table);
+    layer.forget_weight_parameter();
+    pw.attr("wrap")(w, bytes->codes, spec, bytes->sizes);  // false: it keeps its plain values
+    layer.adopt_weight_parameter(w.cast<at::Tensor>());
+  }
+}
+
 // Per call on the quantized path: a weight that takes a gradient goes through the library (generic
 // path: its autograd is right); a replaced weight, swapped codes or a replaced bias are packed again.
 py::object quantized_forward(const py::object& module, LayerManager& core, const py::object& x, bool conv,
@@ -518,6 +564,9 @@ py::cpp_function make_forward(const py::object& module, const py::object& manage
     if (path == "ostris") return ostris_forward(module, mgr.cast<LayerManager&>(), mgr.attr("_original_forward"), x, state);
     if (path == "generic") return generic_forward(module, x, conv, state);
     if (path == "quantized") return quantized_forward(module, mgr.cast<LayerManager&>(), x, conv, state);
+    if (layer->lossless_takes_weight() || is_packed_weight(param_of(module, "weight"))) {
+      sync_packed_weight(module, *layer);
+    }
     const at::Tensor weight = param_of(module, "weight").cast<at::Tensor>();
     const at::Tensor bias = tensor_or_undefined(param_of(module, "bias"));
     return py::cast(layer->forward(x.cast<at::Tensor>(), weight, bias));
@@ -577,9 +626,20 @@ void attach(const py::object& module, const py::object& manager, Which which) {
     if (plain) {
       core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,
                                                       conv ? conv_params_of(module) : ConvParams{});
+      if (is_packed_weight(weight)) {
+        // A PackedWeight (of a layer managed before): plain again, packed below as this layer's. One that
+        // another live layer holds (tied weights) cannot be swapped; it stays as it is.
+        try {
+          packed_weight_module().attr("unwrap")(weight);
+        } catch (const py::error_already_set&) {
+        }
+      }
       // A Parameter another managed layer already packed (tied weights): that layer's block keeps it.
       const bool tied = py::hasattr(weight, "_is_memory_managed");
-      core.layer->pack(weight.cast<at::Tensor>(), tensor_or_undefined(bias), tied);
+      const at::Tensor values =
+          is_packed_weight(weight) ? weight.attr("_ls_packed").attr("values")().cast<at::Tensor>() : at::Tensor();
+      core.layer->pack(weight.cast<at::Tensor>(), tensor_or_undefined(bias), tied, values);
+      if (core.layer->lossless_takes_weight()) sync_packed_weight(module, *core.layer);
       core.path = state->mode() == Mode::kCpu ? "cpu" : "streamed";
     } else if (!empty && (!conv || conv_is_plain(module)) && is_plain(bias) && streams_quantized(weight)) {
       core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,
@@ -673,6 +733,13 @@ py::dict stats() {
   // Host memory this process holds through the copy the host's ranks share (in no arena's counts).
   total["host_shared_bytes"] = HostShare::bytes_live();
   total["host_shared_blocks"] = HostShare::blocks_live();
+  // Host memory the managed layers hold (streamed_layer.h, HostMemoryCounts): pinned arena bytes of packed
+  // weights, pinned arena bytes stored as they are, pageable bytes (unpinned blocks, plain copies kept
+  // beside packed weights).
+  const HostMemoryCounts host = host_memory_counts();
+  total["host_pinned_packed_bytes"] = host.pinned_packed;
+  total["host_pinned_plain_bytes"] = host.pinned_plain;
+  total["host_pageable_bytes"] = host.pageable;
   return total;
 }
 
@@ -938,6 +1005,11 @@ PYBIND11_MODULE(manager_modules, m) {
       "on torch's current stream, at most `max_blocks` thread blocks, 0 for no limit; or the host reference). "
       "For tests and benchmarks: the bytes are trusted (the CUDA path does not check the exception list's "
       "indices).");
+  m.def("_lossless_threads", &lossless_threads,
+        "How many threads the host's lossless encoder runs on (0 was set: one per core).");
+  m.def("_set_lossless_threads", &lossless_set_threads, py::arg("threads"),
+        "Sets how many threads the host's lossless encoder runs on (0: one per core, the default); its output "
+        "is the same for any number. For benchmarks and tests.");
   m.def("_decode_blocks", &decode_blocks,
         "The most thread blocks a lossless decode on the derive stream uses (LAYERSTREAM_DECODE_BLOCKS; 0: no "
         "limit).");

@@ -39,6 +39,43 @@ namespace {
 constexpr std::size_t kAlign = 256;
 std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
+// host_memory_counts(): process-wide totals, changed only by BlockAccount and StreamedLayer::pageable_.
+std::atomic<std::int64_t> g_pinned_packed{0}, g_pinned_plain{0}, g_pageable{0};
+
+// One arena block's bytes in host_memory_counts(), for as long as anything holds the block (the layer, or
+// the storage of a view of it: a Parameter, a PackedWeight's packed bytes). Shared segments are not
+// counted (host_shared_bytes has them).
+struct BlockAccount {
+  BlockAccount(std::shared_ptr<HostBlockRef> b, std::size_t packed) : block(std::move(b)) {
+    if (block->segment() != nullptr) return;
+    const auto total = static_cast<std::int64_t>(block->block().bytes);
+    const auto pk = std::min<std::int64_t>(total, static_cast<std::int64_t>(packed));
+    if (block->block().pinned) {
+      packed_bytes = pk;
+      plain_bytes = total - pk;
+    } else {
+      pageable_bytes = total;
+    }
+    g_pinned_packed += packed_bytes;
+    g_pinned_plain += plain_bytes;
+    g_pageable += pageable_bytes;
+  }
+  ~BlockAccount() {
+    g_pinned_packed -= packed_bytes;
+    g_pinned_plain -= plain_bytes;
+    g_pageable -= pageable_bytes;
+  }
+  BlockAccount(const BlockAccount&) = delete;
+  BlockAccount& operator=(const BlockAccount&) = delete;
+  std::shared_ptr<HostBlockRef> block;
+  std::int64_t packed_bytes = 0, plain_bytes = 0, pageable_bytes = 0;
+};
+
+// A tensor subclass implemented in Python (a PackedWeight): it has no storage to look at.
+bool is_python_tensor(const at::Tensor& t) {
+  return t.defined() && t.key_set().has(c10::DispatchKey::Python);
+}
+
 // Weights compute in the input's dtype; integer or other inputs compute in bfloat16 (as upstream).
 // float64 stays float64: upstream's float path computes F.linear(x, w) uncast, so a double layer gets
 // a double result (casting it to bfloat16 would silently lose precision).
@@ -102,7 +139,12 @@ struct StreamedFn : public torch::autograd::Function<StreamedFn> {
     // Upstream autograd of linear saves the input only when the weight needs a gradient; convolution
     // always saves it (its backward needs it for the input gradient's shape and algorithm choice).
     const bool save_x = layer->kind() == LayerKind::kConv2d || (weight.defined() && weight.requires_grad());
-    ctx->save_for_backward({save_x ? x : at::Tensor(), weight, bias});
+    // A frozen weight is not saved: backward reads the layer's packed copy, and a saved reference would
+    // keep a PackedWeight Parameter from being swapped back to plain (unfrozen or written) while the graph
+    // lives. Whether there is one decides how needs_input_grad counts the inputs.
+    const bool save_w = weight.defined() && weight.requires_grad();
+    ctx->save_for_backward({save_x ? x : at::Tensor(), save_w ? weight : at::Tensor(), bias});
+    ctx->saved_data["has_w"] = weight.defined();
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["x_col_major"] = layer->kind() == LayerKind::kLinear && linear_input_col_major(x);
     // Which path upstream's linear took: the fused addmm one for 2-D or contiguous inputs.
@@ -116,7 +158,7 @@ struct StreamedFn : public torch::autograd::Function<StreamedFn> {
     auto saved = ctx->get_saved_variables();
     // An absent weight or bias (nullopt) is not an autograd input: needs_input_grad counts only the
     // inputs that are there.
-    const bool has_w = saved[1].defined(), has_b = saved[2].defined();
+    const bool has_w = ctx->saved_data["has_w"].toBool(), has_b = saved[2].defined();
     const std::array<bool, 3> needs{ctx->needs_input_grad(0), has_w && ctx->needs_input_grad(1),
                                     has_b && ctx->needs_input_grad(has_w ? 2 : 1)};
     const c10::intrusive_ptr<StreamedLayer> layer = layer_of(ctx);
@@ -141,6 +183,7 @@ StreamedLayer::StreamedLayer(std::shared_ptr<DeviceState> state, LayerKind kind,
     : state_(std::move(state)), kind_(kind), conv_(std::move(conv)) {}
 
 StreamedLayer::~StreamedLayer() {
+  g_pageable -= pageable_;
   if (TransferEngine* engine = engine_if_registered()) {
     try {
       engine->remove_layer(id_);
@@ -159,6 +202,9 @@ std::size_t StreamedLayer::packed_bytes() const { return block_ ? block_->block(
 
 bool StreamedLayer::matches(const Packed& p, const at::Tensor& t) {
   if (!p.defined) return !t.defined();
+  if (p.wrapped || is_python_tensor(t)) {  // a PackedWeight: the object itself, nothing to look inside
+    return p.wrapped && t.defined() && p.impl && t.unsafeGetTensorImpl() == p.impl->_unsafe_get_target();
+  }
   const c10::StorageImpl* storage = t.defined() && t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
   return t.defined() && p.impl && t.unsafeGetTensorImpl() == p.impl->_unsafe_get_target() &&
          storage == (p.storage ? p.storage->_unsafe_get_target() : nullptr) && t.data_ptr() == p.data;
@@ -230,8 +276,17 @@ bool quantized_layout_supported(const at::Tensor& codes, const at::Tensor& scale
          codes.numel() > 0 && per_row_or_single(scale.sizes(), codes.sizes());
 }
 
+HostMemoryCounts host_memory_counts() {
+  HostMemoryCounts c;
+  c.pinned_packed = g_pinned_packed.load();
+  c.pinned_plain = g_pinned_plain.load();
+  c.pageable = g_pageable.load();
+  return c;
+}
+
 std::shared_ptr<HostBlockRef> StreamedLayer::new_block(const std::vector<std::pair<Packed*, at::Tensor>>& parts,
-                                                       std::vector<at::Tensor>& views, bool shareable) {
+                                                       std::vector<at::Tensor>& views, bool shareable,
+                                                       std::size_t packed, const std::function<void(char*)>& encode) {
   std::size_t total = 0;
   for (const auto& [p, src] : parts) {
     p->offset = align_up(total);
@@ -240,7 +295,14 @@ std::shared_ptr<HostBlockRef> StreamedLayer::new_block(const std::vector<std::pa
   LS_CHECK_ARG(total > 0, "a managed layer needs a non-empty weight");
   auto fill = [&](char* base) {
     at::NoGradGuard no_grad;
-    for (const auto& [p, src] : parts) view_of(base, *p, at::kCPU).copy_(src.detach());
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      const auto& [p, src] = parts[i];
+      if (i == 0 && encode) {
+        encode(base + p->offset);
+      } else {
+        view_of(base, *p, at::kCPU).copy_(src.detach());
+      }
+    }
   };
 
   std::shared_ptr<HostBlockRef> block;
@@ -264,9 +326,14 @@ std::shared_ptr<HostBlockRef> StreamedLayer::new_block(const std::vector<std::pa
       // The shared copy must be what this rank would have packed: a rank that loaded other weights
       // would otherwise train on rank 0's without a word.
       at::NoGradGuard no_grad;
-      for (const auto& [p, src] : parts) {
+      for (std::size_t i = 0; i < parts.size(); ++i) {
+        const auto& [p, src] = parts[i];
         at::Tensor mine = at::empty_strided(p->sizes, p->strides, at::TensorOptions().dtype(p->dtype));
-        mine.copy_(src.detach());
+        if (i == 0 && encode) {
+          encode(static_cast<char*>(mine.data_ptr()));
+        } else {
+          mine.copy_(src.detach());
+        }
         LS_CHECK(std::memcmp(mine.data_ptr(), block->data() + p->offset, p->bytes) == 0,
                  "this rank's weights differ from the host copy that local rank 0 packed (a tensor of shape ",
                  at::IntArrayRef(p->sizes), "): every rank must load the same model; LAYERSTREAM_SHARE_HOST=0 "
@@ -283,12 +350,14 @@ std::shared_ptr<HostBlockRef> StreamedLayer::new_block(const std::vector<std::pa
     fill(block->data());
   }
   views.clear();
+  auto account = std::make_shared<BlockAccount>(block, packed);
   for (const auto& [p, src] : parts) {
-    // The view's storage owns a reference to the block: the host bytes live as long as any tensor (or
-    // this layer) uses them.
-    auto keep = block;
+    // The view's storage owns a reference to the block (through its account): the host bytes live as long
+    // as any tensor (or this layer) uses them.
+    auto keep = account;
     views.push_back(view_of(block->data(), *p, at::kCPU, [keep](void*) {}));
   }
+  new_account_ = std::move(account);
   return block;
 }
 
@@ -297,6 +366,7 @@ void StreamedLayer::install(std::shared_ptr<HostBlockRef> block, Packed w, Packe
   id_ = 0;
   generation_ = 0;
   block_ = std::move(block);
+  block_account_ = std::move(new_account_);
   weight_ = std::move(w);
   bias_ = std::move(b);
   quant_ = std::move(q);
@@ -334,17 +404,28 @@ void check_not_inference(const at::Tensor& t, const char* what) {
 void remember_identity(Packed& p, const at::Tensor& t) {
   p.impl.emplace(t.getIntrusivePtr());
   p.storage.reset();
-  if (t.has_storage()) p.storage.emplace(t.storage().getWeakStorageImpl());
-  p.data = t.data_ptr();
+  p.wrapped = is_python_tensor(t);
+  p.data = nullptr;
+  if (!p.wrapped) {
+    if (t.has_storage()) p.storage.emplace(t.storage().getWeakStorageImpl());
+    p.data = t.data_ptr();
+  }
   p.version = t._version();
 }
 
 }  // namespace
 
-void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias, bool tied) {
+void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias, bool tied, const at::Tensor& given) {
   LS_CHECK_ARG(weight.defined(), "a managed layer needs a weight");
   check_not_inference(weight, "weight");
   check_not_inference(bias, "bias");
+  // A PackedWeight (another layer's, tied) is packed from its exact values, decoded by the caller for this
+  // packing only; the Parameter keeps its identity.
+  LS_CHECK_ARG(!is_python_tensor(weight) || given.defined(),
+               "layerstream: this layer's weight is a PackedWeight (LAYERSTREAM_HOST_DTYPE=lossless) that another "
+               "managed layer holds and that was written or unfrozen; give this layer a plain Parameter of its own: "
+               "layer.weight = torch.nn.Parameter(layer.weight.clone(), requires_grad=...)");
+  const at::Tensor values = is_python_tensor(weight) ? given : weight;
   const HostStorage host = host_storage_setting();
   const bool decoder = host.lossless && lossless_decoder_here();  // may log: before the lock
   std::lock_guard<std::mutex> lock(mu_);
@@ -359,32 +440,45 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias, bool 
   const bool lossless_takes = host.lossless && weight.numel() > 0 && wt == at::kBFloat16 && weight.is_contiguous() &&
                               static_cast<std::size_t>(weight.numel()) <= kLosslessMaxCount && decoder;
   // A weight whose exponents spread too widely (8 bytes per exception) packs no smaller: stored as it is.
-  std::optional<std::pair<at::Tensor, LosslessSpec>> packed;
-  if (lossless_takes && frozen) packed = lossless_pack(weight, /*only_if_smaller=*/true);
-  const bool to_lossless = packed.has_value();
+  // The table first (one pass over the values); the encoder then writes straight into the arena block.
+  at::Tensor exact;
+  std::optional<LosslessSpec> spec;
+  if (lossless_takes && frozen) {
+    exact = values.detach().to(at::kCPU).contiguous();
+    spec = lossless_plan(static_cast<const std::uint16_t*>(exact.data_ptr()), static_cast<std::size_t>(exact.numel()));
+    if (spec->bytes() >= exact.nbytes()) spec.reset();
+  }
+  const bool to_lossless = spec.has_value();
   const bool to_float8 = float8_takes && frozen;
   const bool compress = to_float8 || to_lossless;
   Packed w, b;
   std::optional<QuantParts> q;
   std::vector<std::pair<Packed*, at::Tensor>> parts;
   at::Tensor codes, scale;
+  std::function<void(char*)> encode;
   if (to_lossless) {
-    // Frozen bfloat16 weight packed exactly (lossless.h); as for float8, the Parameter keeps its values in
-    // ordinary (pageable) host memory, outside the arena.
-    codes = packed->first;
-    w = describe(codes, {1}, at::kByte);
+    // Frozen bfloat16 weight packed exactly (lossless.h), encoded straight into the block; the caller
+    // (module.cc) then makes the Parameter a PackedWeight of those bytes.
+    w.sizes = {static_cast<std::int64_t>(spec->bytes())};
+    w.strides = {1};
+    w.dtype = at::kByte;
+    w.bytes = spec->bytes();
+    w.defined = true;
     q.emplace();
     q->math = wt;
     q->result = wt;
     q->compressed = true;
-    q->lossless = packed->second;
+    q->lossless = *spec;
     q->sizes = weight.sizes().vec();
-    parts = {{&w, codes}};
+    parts = {{&w, exact}};
+    encode = [&exact, s = *spec](char* dst) {
+      lossless_encode(s, static_cast<const std::uint16_t*>(exact.data_ptr()), dst);
+    };
   } else if (to_float8) {
     const at::ScalarType f8 = *host.float8;
     // Frozen weight kept as 8-bit codes with a float32 scale per output channel (amax / largest code);
     // the Parameter keeps its exact values in ordinary (pageable) host memory, outside the arena.
-    const at::Tensor wf = weight.detach().to(at::kCPU).to(at::kFloat);
+    const at::Tensor wf = values.detach().to(at::kCPU).to(at::kFloat);
     std::vector<std::int64_t> rest;
     for (std::int64_t d = 1; d < wf.dim(); ++d) rest.push_back(d);
     at::Tensor amax = rest.empty() ? wf.abs() : wf.abs().amax(rest, /*keepdim=*/true);
@@ -399,8 +493,8 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias, bool 
     q->compressed = true;
     parts = {{&w, codes}, {&q->scale, scale}};
   } else {
-    w = describe(weight, layout_of(weight), wt);
-    parts = {{&w, weight}};
+    w = describe(values, layout_of(values), wt);
+    parts = {{&w, values}};
   }
   if (bias.defined()) {
     b = describe(bias, layout_of(bias), bias.scalar_type());
@@ -409,14 +503,25 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias, bool 
   std::vector<at::Tensor> views;
   // Frozen blocks may be shared between the ranks of the host; a trainable one is written by its optimizer.
   const bool shareable = !weight.requires_grad() && !(bias.defined() && bias.requires_grad());
-  auto block = new_block(parts, views, shareable);
+  const std::size_t packed_part = compress ? w.bytes + (q && q->scale.defined ? align_up(q->scale.bytes) : 0) : 0;
+  auto block = new_block(parts, views, shareable, packed_part, encode);
 
-  // Swap the Parameters' data (identity kept), then remember what they must look like.
+  // Swap the Parameters' data (identity kept), then remember what they must look like. A compressed
+  // weight's Parameter keeps its exact values outside the arena: pageable host memory (a lossless one
+  // until the caller makes it a PackedWeight: adopt_weight_parameter).
+  g_pageable -= pageable_;
+  pageable_ = 0;
   if (compress) {
     if (!weight.is_cpu()) at::Tensor(weight).set_data(weight.detach().to(at::kCPU));
+    if (!is_python_tensor(weight)) pageable_ = static_cast<std::int64_t>(weight.nbytes());
   } else if (!tied) {
+    LS_CHECK_ARG(!is_python_tensor(weight),
+                 "layerstream: this layer's weight is a PackedWeight (LAYERSTREAM_HOST_DTYPE=lossless) that could "
+                 "not be made plain to be stored as it is (another layer holds it); assign it a plain Parameter: "
+                 "layer.weight = torch.nn.Parameter(layer.weight.clone(), requires_grad=...)");
     at::Tensor(weight).set_data(views[0]);
   }
+  g_pageable += pageable_;
   if (b.defined) at::Tensor(bias).set_data(views.back());
   remember_identity(w, weight);
   if (b.defined) remember_identity(b, bias);
@@ -425,6 +530,39 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias, bool 
   // Whether a use with the weight frozen should pack it again: not for weights the setting does not take,
   // nor for one lossless packing would not shrink (each use would pack it again, for nothing).
   compress_frozen_ = float8_takes || (lossless_takes && (!frozen || to_lossless));
+  lossless_takes_ = lossless_takes;
+}
+
+std::optional<StreamedLayer::PackedBytes> StreamedLayer::packed_weight_to_wrap() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!quant_ || !quant_->lossless || !quant_->compressed || weight_.wrapped || weight_tied_) return std::nullopt;
+  auto keep = std::static_pointer_cast<BlockAccount>(block_account_);
+  PackedBytes out;
+  out.codes = view_of(block_->data(), weight_, at::kCPU, [keep](void*) {});
+  out.spec = *quant_->lossless;
+  out.sizes = quant_->sizes;
+  return out;
+}
+
+void StreamedLayer::forget_weight_parameter() {
+  std::lock_guard<std::mutex> lock(mu_);
+  weight_.impl.reset();
+  weight_.storage.reset();
+}
+
+void StreamedLayer::adopt_weight_parameter(const at::Tensor& weight) {
+  std::lock_guard<std::mutex> lock(mu_);
+  remember_identity(weight_, weight);
+  if (weight_.wrapped) {
+    LS_CHECK_ARG(quant_ && quant_->lossless, "adopt_weight_parameter: this layer holds no losslessly packed weight");
+    g_pageable -= pageable_;
+    pageable_ = 0;
+  }
+}
+
+bool StreamedLayer::holds_packed_parameter(const at::Tensor& weight) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return weight_.wrapped && matches(weight_, weight);
 }
 
 std::array<at::Tensor, 2> StreamedLayer::pack_quantized(const at::Tensor& codes, const at::Tensor& scale,

@@ -16,6 +16,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -63,6 +64,18 @@ bool quantized_layout_supported(const at::Tensor& codes, const at::Tensor& scale
 // float32, float16 or bfloat16: the dtypes a scale, the math and a dequantized weight may have.
 bool is_real_dtype(at::ScalarType t);
 
+// Host memory the managed layers hold, over the process (stats()): arena blocks, pinned, whose weight is
+// packed (lossless or float8: the packed part) or stored as it is (weights, biases, buffers); and pageable
+// host memory held for them (arena blocks that could not be pinned, and the plain copy a compressed weight's
+// Parameter keeps beside its packed one: float8's, or a lossless one not turned into a PackedWeight).
+// Blocks in the copy the host's ranks share are counted in host_shared_bytes instead.
+struct HostMemoryCounts {
+  std::int64_t pinned_packed = 0;
+  std::int64_t pinned_plain = 0;
+  std::int64_t pageable = 0;
+};
+HostMemoryCounts host_memory_counts();
+
 class StreamedLayer : public torch::CustomClassHolder {
  public:
   // Where one tensor of the layer lies in its arena block, and which tensor it was packed from.
@@ -81,6 +94,9 @@ class StreamedLayer : public torch::CustomClassHolder {
     const void* data = nullptr;
     std::uint32_t version = 0;
     bool defined = false;
+    // The Parameter is a PackedWeight (packed_weight.py: a tensor subclass without storage that decodes
+    // the packed bytes on demand): its identity is its TensorImpl alone.
+    bool wrapped = false;
   };
   // A weight stored as codes and a scale (weight_ then describes the codes), or packed losslessly
   // (weight_ then describes the encoded bytes, `scale` is undefined, `lossless` the encoding).
@@ -101,7 +117,9 @@ class StreamedLayer : public torch::CustomClassHolder {
   // `tied`: the weight Parameter is already a view of another managed layer's block (one Parameter in two
   // layers): this block holds a copy of its bytes for the transfers, and its data stays where it is (two
   // layers swapping it back and forth packed it again at every call).
-  void pack(const at::Tensor& weight, const at::Tensor& bias, bool tied = false);
+  // `values`: the weight's exact values when `weight` is a PackedWeight (packed_weight.py; its values come
+  // from Python: torch's C++ dispatch into a Python subclass is not used here), else undefined.
+  void pack(const at::Tensor& weight, const at::Tensor& bias, bool tied = false, const at::Tensor& values = {});
   // Called at every use: re-packs when the Parameters were replaced or their data swapped, and drops
   // the device copy when they were modified in place.
   void refresh(const at::Tensor& weight, const at::Tensor& bias);
@@ -150,6 +168,27 @@ class StreamedLayer : public torch::CustomClassHolder {
                                              bool x_fused, const at::Tensor& weight, const at::Tensor& bias,
                                              std::array<bool, 3> needs);
 
+  // LAYERSTREAM_HOST_DTYPE=lossless and a Parameter that holds nothing but the packed bytes
+  // (packed_weight.py). A weight packed losslessly whose Parameter still holds its plain values: the
+  // host view of the packed bytes (its storage holds the block), their spec and the weight's shape, for
+  // the caller to turn the Parameter into a PackedWeight; nullopt otherwise.
+  struct PackedBytes {
+    at::Tensor codes;
+    LosslessSpec spec;
+    std::vector<std::int64_t> sizes;
+  };
+  std::optional<PackedBytes> packed_weight_to_wrap();
+  // torch.utils.swap_tensors refuses a TensorImpl that anything holds weakly, as the layer holds its
+  // Parameter's: the caller forgets it before swapping the Parameter's contents (plain <-> PackedWeight),
+  // then adopts what the Parameter is after the swap (a PackedWeight of this layer's packed bytes: its plain
+  // host copy is no longer counted).
+  void forget_weight_parameter();
+  void adopt_weight_parameter(const at::Tensor& weight);
+  // Whether the layer holds the weight Parameter as a PackedWeight, and that `weight` is it.
+  bool holds_packed_parameter(const at::Tensor& weight);
+  // Whether LAYERSTREAM_HOST_DTYPE=lossless takes this layer's weight when it is frozen.
+  bool lossless_takes_weight() const { return lossless_takes_; }
+
   bool quantized() const { return quant_.has_value(); }
   // Counts the packings (install()): a forward's graph remembers it, and its backward refuses to run
   // after the weights were packed again (replaced), when it would read the new ones.
@@ -164,8 +203,13 @@ class StreamedLayer : public torch::CustomClassHolder {
   // A new block holding `parts` one after another (each 256-byte aligned; their sizes, strides and dtype
   // set, offsets set here), each filled from its source; `views` gets the host views in that order.
   // `shareable`: frozen contents that may live in the host copy the ranks share (host_share.h).
+  // `packed`: how many of the block's bytes hold a packed (compressed) weight (host_memory_counts()).
+  // The views' storages and block_account_ keep the block and its count.
+  // `encode`: fills the first part instead of copying its source (the lossless encoder, straight into the
+  // block: no packed copy on the side).
   std::shared_ptr<HostBlockRef> new_block(const std::vector<std::pair<Packed*, at::Tensor>>& parts,
-                                          std::vector<at::Tensor>& views, bool shareable);
+                                          std::vector<at::Tensor>& views, bool shareable, std::size_t packed = 0,
+                                          const std::function<void(char*)>& encode = {});
   // Makes the new block current (the previous registration is left; its bytes stay valid until the
   // engine lets go of them). Caller holds mu_.
   void install(std::shared_ptr<HostBlockRef> block, Packed w, Packed b, std::optional<QuantParts> q);
@@ -210,6 +254,10 @@ class StreamedLayer : public torch::CustomClassHolder {
   ConvParams conv_;
   std::mutex mu_;
   std::shared_ptr<HostBlockRef> block_;
+  std::shared_ptr<void> block_account_;  // counts block_ in host_memory_counts() while anything holds it
+  std::shared_ptr<void> new_account_;    // new_block()'s, until install() takes it
+  std::int64_t pageable_ = 0;            // the plain Parameter copy counted as pageable for this layer
+  bool lossless_takes_ = false;
   Packed weight_, bias_;
   std::optional<QuantParts> quant_;
   std::vector<Packed> tensors_;  // pack_tensors(): the layer's own tensors, in order

@@ -121,6 +121,25 @@ TEST(Lossless, FewExponentsNeedNoExceptionsAndShortTensorsWork) {
   }
 }
 
+TEST(Lossless, TheEncodingIsTheSameForAnyNumberOfThreads) {
+  // Several chunks (the encoder splits by a fixed length), an odd count, and spread exponents (exceptions
+  // in every chunk): one thread, two, seven and one per core write the same bytes, the layout's own.
+  std::vector<std::uint16_t> v = normal_bf16((std::size_t{3} << 20) + 12345, 0.02f, 21);
+  std::mt19937 rng(4);
+  for (std::size_t i = 0; i < v.size(); i += 997) v[i] = static_cast<std::uint16_t>(rng() & 0xFFFF);
+  std::vector<std::vector<std::uint8_t>> seen;
+  LosslessSpec spec;
+  for (unsigned threads : {1u, 2u, 7u, 0u}) {
+    lossless_set_threads(threads);
+    seen.push_back(encode(v, &spec));
+    EXPECT_GT(spec.exceptions, 0u);
+  }
+  lossless_set_threads(0);  // the default again
+  for (const auto& buf : seen) EXPECT_EQ(buf, seen.front());
+  EXPECT_EQ(seen.front(), reference_encoding(spec, v));
+  EXPECT_EQ(decode(spec, seen.front()), v);
+}
+
 TEST(Lossless, RefusesNoValuesAndASpecOfOtherValues) {
   const std::uint16_t one = 0x3F80;
   EXPECT_THROW(lossless_plan(&one, 0), InvalidArgument);

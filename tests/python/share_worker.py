@@ -2,7 +2,7 @@
 attaches a TinyTransformer (the same weights on every rank unless told otherwise), trains its LoRA under
 DistributedDataParallel on its share of a global batch, and writes what it saw as JSON.
 
-    python share_worker.py RANK WORLD INIT_FILE OUT_JSON BACKEND(cpu|sim|cuda) [--other-weights] [--quantized]
+    python share_worker.py RANK WORLD INIT_FILE OUT_JSON BACKEND(cpu|sim|cuda) [--other-weights] [--quantized] [--lossless]
                            [--steps N]
 
 cuda: rank r computes on cuda:r with NCCL (NCCL_NVLS_ENABLE=0: no NVLink multicast).
@@ -60,6 +60,11 @@ def main() -> int:
         quanto.quantize(model, weights=quanto.qfloat8)
         quanto.freeze(model)
         model.requires_grad_(False)
+    if "--lossless" in sys.argv:  # bf16 linears, packed losslessly (LAYERSTREAM_HOST_DTYPE=lossless): the packed
+        # bytes are shared, and each rank's Parameters are PackedWeights of the shared bytes
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.to(torch.bfloat16)
     if "--other-weights" in sys.argv and rank == 1:
         with torch.no_grad():
             model.blocks[1].up.weight.add_(1.0)
@@ -80,7 +85,10 @@ def main() -> int:
     result.update(host_shared_bytes=stats["host_shared_bytes"], host_shared_blocks=stats["host_shared_blocks"],
                   arena_bytes=stats["host_bytes_requested"], mappings=shm_mappings(),
                   packed=sum(m._layer_memory_manager.packed_bytes for m in model.modules()
-                             if hasattr(m, "_layer_memory_manager")))
+                             if hasattr(m, "_layer_memory_manager")),
+                  packed_weights=sum(type(m.weight).__name__ == "PackedWeight" for m in model.modules()
+                                     if hasattr(m, "_layer_memory_manager")),
+                  host_pageable_bytes=stats["host_pageable_bytes"])
     for name, module in model.named_modules():  # the unmanaged parts (norms) go to the device
         if not hasattr(module, "_layer_memory_manager"):
             for p in module.parameters(recurse=False):

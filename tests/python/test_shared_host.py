@@ -94,6 +94,19 @@ def test_quantized_weights_are_shared_as_stored(tmp_path):
     assert _ls_segments() == before
 
 
+def test_losslessly_packed_weights_are_shared_and_no_rank_keeps_a_plain_copy(tmp_path):
+    before = _ls_segments()
+    leader, follower = _run_ranks(tmp_path, "sim", "--lossless", env={"LAYERSTREAM_HOST_DTYPE": "lossless"})
+    assert leader["host_shared_blocks"] == follower["host_shared_blocks"] == 18
+    assert leader["host_shared_bytes"] == follower["host_shared_bytes"] == leader["packed"] == follower["packed"]
+    assert follower["arena_bytes"] == 0
+    # Every rank's weight Parameters hold the shared packed bytes only (PackedWeight), no plain copy.
+    assert leader["packed_weights"] == follower["packed_weights"] == 18
+    assert leader["host_pageable_bytes"] == follower["host_pageable_bytes"] == 0
+    assert leader["lora"] == follower["lora"]  # DDP: the same LoRA on both ranks
+    assert _ls_segments() == before
+
+
 def test_a_rank_with_other_weights_is_refused_with_the_remedy(tmp_path):
     before = _ls_segments()
     leader, follower = _run_ranks(tmp_path, "sim", "--other-weights")

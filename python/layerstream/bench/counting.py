@@ -10,7 +10,11 @@ from torch import nn
 def stored_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """What a weight or bias is stored as: a quantized weight (optimum-quanto's, torchao's: a tensor subclass)
     as the plain tensors inside it, its codes and scale, which are what is pinned and moved, not the dtype it
-    dequantizes to (whose size the subclass reports as its own)."""
+    dequantizes to (whose size the subclass reports as its own); a losslessly packed weight (PackedWeight) as
+    its packed bytes."""
+    packed = getattr(t, "_ls_packed", None)
+    if packed is not None:  # a PackedWeight (LAYERSTREAM_HOST_DTYPE=lossless): its packed bytes in the arena
+        return [packed.codes if packed.plain is None else packed.plain]
     if not hasattr(t, "__tensor_flatten__"):
         return [t]
     names, _ = t.__tensor_flatten__()

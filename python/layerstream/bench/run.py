@@ -212,6 +212,9 @@ def _add_memory_and_bytes(row: dict, mode: str, model, device: torch.device, ste
         row["engine_stats"] = end
         if end is not None:
             row["pinned_bytes"] = end.get("pinned_bytes")
+            # Host memory by form (stats(); PackedWeight Parameters hold no plain copy).
+            row["host_memory"] = {k: end.get(k) for k in ("host_pinned_packed_bytes", "host_pinned_plain_bytes",
+                                                          "host_pageable_bytes")}
             if start is not None and "bytes_h2d" in end:
                 row["bytes_per_step"] = (end["bytes_h2d"] - start["bytes_h2d"]) / n
             if start is not None and end.get("copy_waits_timed"):
