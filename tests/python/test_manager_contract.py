@@ -409,7 +409,7 @@ def test_a_copy_that_cannot_be_issued_fails_only_its_call_and_training_goes_on_e
         for step in range(5):
             x = torch.randn(2, 6, 256, generator=g)
             for failures in ((1, 0) if step in (2, 3) else (0,)):
-                state._sim_fail_next_copies(failures)
+                mm._testing.sim_fail_next_copies(state, failures)
                 opt.zero_grad(set_to_none=True)
                 try:
                     loss = managed(x).float().pow(2).mean()
@@ -419,7 +419,7 @@ def test_a_copy_that_cannot_be_issued_fails_only_its_call_and_training_goes_on_e
                     failed_calls += 1
                     assert state.stats()["leases_outstanding"] == 0
                     continue
-                state._sim_fail_next_copies(0)
+                mm._testing.sim_fail_next_copies(state, 0)
                 mm.sync_grad_transfers()
                 opt.step()
                 losses.append(loss.item())

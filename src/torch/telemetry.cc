@@ -1,0 +1,129 @@
+#include "telemetry.h"
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+#include "host_share.h"
+#include "layerstream/check.h"
+#include "layerstream/log.h"
+#include "settings.h"
+
+namespace layerstream::torchglue {
+
+py::dict stats_dict(const StateStats& s) {
+  py::dict d;
+  d["fetches"] = s.engine.fetches;
+  d["copies_h2d"] = s.engine.copies_h2d;
+  d["bytes_h2d"] = s.engine.bytes_h2d;
+  d["reuse_hits"] = s.engine.reuse_hits;
+  d["downloads"] = s.engine.downloads;
+  d["bytes_d2h"] = s.engine.bytes_d2h;
+  d["pinned_bytes"] = s.engine.arena.bytes_pinned;
+  d["host_bytes_held"] = s.engine.arena.bytes_held;
+  d["host_bytes_requested"] = s.engine.arena.bytes_requested;
+  d["ring_bytes"] = s.engine.ring_capacity;
+  d["leases_outstanding"] = s.engine.leases_outstanding;
+  d["downloads_pending"] = s.engine.downloads_pending;  // gradient copies not yet joined
+  d["engines_built"] = s.engines_built;
+  d["prefetches"] = s.engine.prefetches;
+  d["prefetch_hits"] = s.engine.prefetch_hits;
+  d["prefetch_wasted"] = s.engine.prefetch_wasted;
+  d["predicted_uses"] = s.predictor.predicted;
+  d["predicted_correctly"] = s.predictor.correct;
+  d["sim_races"] = s.sim_races;
+  // Quantized layers: dequantized into the ring region's scratch, found there again, or into memory of
+  // their own (resident layers, layouts the kernel does not take); losslessly packed layers: found
+  // decoded in the scratch, by the engine's derive stream after the copy.
+  d["dequant_into_scratch"] = s.dequant_into_scratch;
+  d["dequant_reused"] = s.dequant_reused;
+  d["dequant_own_memory"] = s.dequant_own_memory;
+  d["dequant_on_copy"] = s.dequant_on_copy;
+  d["resident_hits"] = s.engine.resident_hits;
+  d["resident_layers"] = s.engine.resident_layers;
+  d["resident_bytes"] = s.engine.resident_bytes;
+  d["vram_budget_planned"] = static_cast<std::uint64_t>(s.vram_budget_planned);
+  d["vram_budget_room"] = s.vram_budget_room;
+  d["vram_budget_estimate"] = s.vram_budget_estimate;
+  d["pressure_yields"] = s.pressure_yields;  // times resident layers gave memory back to an allocation
+  d["pressure_yielded_bytes"] = s.pressure_yielded_bytes;
+  d["device_bytes"] = s.engine.ring_capacity + s.engine.resident_bytes;  // what layerstream holds on the device
+  d["copy_wait_us"] = s.engine.copy_wait_us;  // LAYERSTREAM_TIME_WAITS=1: compute waiting for copies
+  d["copy_waits_timed"] = s.engine.copy_waits_timed;
+  return d;
+}
+
+py::dict stats() {
+  // Every counter summed over the live device states, plus how many there are and which.
+  py::dict total = stats_dict(StateStats{});
+  py::list devices;
+  for (const auto& state : DeviceState::live()) {
+    for (auto item : stats_dict(state->stats())) {
+      const std::string key = item.first.cast<std::string>();
+      const std::uint64_t value = item.second.cast<std::uint64_t>();
+      total[key.c_str()] = total[key.c_str()].cast<std::uint64_t>() + value;
+    }
+    devices.append(state->describe());
+  }
+  total["device_states"] = devices.size();
+  total["devices"] = devices;
+  // Host memory this process holds through the copy the host's ranks share (in no arena's counts).
+  total["host_shared_bytes"] = HostShare::bytes_live();
+  total["host_shared_blocks"] = HostShare::blocks_live();
+  return total;
+}
+
+
+void route_log_to_python() {
+  set_log_sink([](LogLevel level, const std::string& message) {
+#if PY_VERSION_HEX >= 0x030D0000
+    const bool finalizing = Py_IsFinalizing();
+#else
+    const bool finalizing = _Py_IsFinalizing();
+#endif
+    if (!Py_IsInitialized() || finalizing) {
+      std::fprintf(stderr, "layerstream: %s\n", message.c_str());
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    try {
+      py::module_::import("logging").attr("getLogger")("layerstream").attr("log")(static_cast<int>(level), message);
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("layerstream log sink");
+    }
+  });
+}
+
+void log_step_telemetry() {
+  static std::uint64_t steps = 0;
+  static py::dict* last = nullptr;
+  static auto last_time = std::chrono::steady_clock::now();
+  const std::uint64_t every = Settings::current()->log_every;
+  if (every == 0 || ++steps % every != 0) return;
+  py::dict now = stats();
+  const auto now_time = std::chrono::steady_clock::now();
+  const double seconds = std::chrono::duration<double>(now_time - last_time).count();
+  if (last == nullptr) last = new py::dict(stats_dict(StateStats{}));
+  auto delta = [&](const char* key) {
+    return (now[key].cast<double>() - (*last)[key].cast<double>()) / static_cast<double>(every);
+  };
+  // Bytes over the wall-clock time of the interval: what the step achieved on the bus, overlap included
+  // (not the bus's own rate, which `layerstream doctor` measures).
+  const double gb_per_s = seconds > 0 ? delta("bytes_h2d") * static_cast<double>(every) / seconds / 1e9 : 0.0;
+  log(LogLevel::kInfo,
+      layerstream::detail::concat("layerstream, per step over the last ", every, " steps (", seconds / every,
+                     " s/step): ", delta("fetches"), " layer calls, ", delta("copies_h2d"), " copies (",
+                     delta("bytes_h2d") / 1e9, " GB, ", gb_per_s, " GB/s over the steps), ", delta("reuse_hits"),
+                     " served from the ring, ", delta("prefetch_hits"), " prefetch hits, ", delta("resident_hits"),
+                     " resident, ", delta("bytes_d2h") / 1e9, " GB of gradients back",
+                     now["copy_waits_timed"].cast<double>() > 0
+                         ? layerstream::detail::concat(", compute waited ", delta("copy_wait_us") / 1e3, " ms for copies")
+                         : std::string(),
+                     "; pinned ",
+                     now["pinned_bytes"].cast<double>() / 1e9, " GB, device ",
+                     now["device_bytes"].cast<double>() / 1e9, " GB (ring + resident)"));
+  *last = now;
+  last_time = now_time;
+}
+
+}  // namespace layerstream::torchglue
