@@ -18,20 +18,9 @@ std::uint64_t next_fill() {
 }  // namespace
 
 void EngineStats::add_counters(const EngineStats& other) {
-  fetches += other.fetches;
-  copies_h2d += other.copies_h2d;
-  bytes_h2d += other.bytes_h2d;
-  reuse_hits += other.reuse_hits;
-  prefetches += other.prefetches;
-  prefetch_hits += other.prefetch_hits;
-  prefetch_wasted += other.prefetch_wasted;
-  resident_hits += other.resident_hits;
-  evictions += other.evictions;
-  bounce_chunks += other.bounce_chunks;
-  downloads += other.downloads;
-  bytes_d2h += other.bytes_d2h;
-  copy_wait_us += other.copy_wait_us;
-  copy_waits_timed += other.copy_waits_timed;
+#define LAYERSTREAM_ADD(type, name) name += other.name;
+  LAYERSTREAM_ENGINE_COUNTERS(LAYERSTREAM_ADD)
+#undef LAYERSTREAM_ADD
 }
 
 TransferEngine::TransferEngine(Backend& backend, EngineOptions options)

@@ -23,38 +23,24 @@ using release_gil = py::call_guard<py::gil_scoped_release>;
 
 std::uintptr_t address(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
 
+// The fields by their names (layerstream/stats_fields.h).
+#define LAYERSTREAM_TO_DICT(type, name) d[#name] = s.name;
+
 py::dict arena_stats_dict(const ArenaStats& s) {
   py::dict d;
-  d["bytes_requested"] = s.bytes_requested;
-  d["bytes_allocated"] = s.bytes_allocated;
-  d["bytes_held"] = s.bytes_held;
-  d["bytes_pinned"] = s.bytes_pinned;
-  d["peak_bytes_held"] = s.peak_bytes_held;
-  d["chunks"] = s.chunks;
-  d["dedicated_chunks"] = s.dedicated_chunks;
-  d["blocks"] = s.blocks;
-  d["pin_fallbacks"] = s.pin_fallbacks;
+  LAYERSTREAM_ARENA_FIELDS(LAYERSTREAM_TO_DICT)
   return d;
 }
 
 py::dict engine_stats_dict(const EngineStats& s) {
   py::dict d;
-  d["fetches"] = s.fetches;
-  d["copies_h2d"] = s.copies_h2d;
-  d["bytes_h2d"] = s.bytes_h2d;
-  d["reuse_hits"] = s.reuse_hits;
-  d["evictions"] = s.evictions;
-  d["bounce_chunks"] = s.bounce_chunks;
-  d["downloads"] = s.downloads;
-  d["bytes_d2h"] = s.bytes_d2h;
-  d["layers"] = s.layers;
-  d["leases_outstanding"] = s.leases_outstanding;
-  d["downloads_pending"] = s.downloads_pending;
-  d["ring_capacity"] = s.ring_capacity;
-  d["ring_bytes_live"] = s.ring_bytes_live;
+  LAYERSTREAM_ENGINE_COUNTERS(LAYERSTREAM_TO_DICT)
+  LAYERSTREAM_ENGINE_GAUGES(LAYERSTREAM_TO_DICT)
   d["arena"] = arena_stats_dict(s.arena);
   return d;
 }
+
+#undef LAYERSTREAM_TO_DICT
 
 // Python-side owner of a stream (the RAII Stream, plus a way to synchronize it).
 struct PyStream {

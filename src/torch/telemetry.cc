@@ -7,49 +7,31 @@
 #include "host_share.h"
 #include "layerstream/check.h"
 #include "layerstream/log.h"
+#include "layerstream/stats_fields.h"
 #include "settings.h"
 
 namespace layerstream::torchglue {
 
 py::dict stats_dict(const StateStats& s) {
+  // Every field of the lists in layerstream/stats_fields.h, named as that file says.
   py::dict d;
-  d["fetches"] = s.engine.fetches;
-  d["copies_h2d"] = s.engine.copies_h2d;
-  d["bytes_h2d"] = s.engine.bytes_h2d;
-  d["reuse_hits"] = s.engine.reuse_hits;
-  d["downloads"] = s.engine.downloads;
-  d["bytes_d2h"] = s.engine.bytes_d2h;
-  d["pinned_bytes"] = s.engine.arena.bytes_pinned;
-  d["host_bytes_held"] = s.engine.arena.bytes_held;
-  d["host_bytes_requested"] = s.engine.arena.bytes_requested;
-  d["ring_bytes"] = s.engine.ring_capacity;
-  d["leases_outstanding"] = s.engine.leases_outstanding;
-  d["downloads_pending"] = s.engine.downloads_pending;  // gradient copies not yet joined
-  d["engines_built"] = s.engines_built;
-  d["prefetches"] = s.engine.prefetches;
-  d["prefetch_hits"] = s.engine.prefetch_hits;
-  d["prefetch_wasted"] = s.engine.prefetch_wasted;
-  d["predicted_uses"] = s.predictor.predicted;
-  d["predicted_correctly"] = s.predictor.correct;
-  d["sim_races"] = s.sim_races;
-  // Quantized layers: dequantized into the ring region's scratch, found there again, or into memory of
-  // their own (resident layers, layouts the kernel does not take); losslessly packed layers: found
-  // decoded in the scratch, by the engine's derive stream after the copy.
-  d["dequant_into_scratch"] = s.dequant_into_scratch;
-  d["dequant_reused"] = s.dequant_reused;
-  d["dequant_own_memory"] = s.dequant_own_memory;
-  d["dequant_on_copy"] = s.dequant_on_copy;
-  d["resident_hits"] = s.engine.resident_hits;
-  d["resident_layers"] = s.engine.resident_layers;
-  d["resident_bytes"] = s.engine.resident_bytes;
-  d["vram_budget_planned"] = static_cast<std::uint64_t>(s.vram_budget_planned);
-  d["vram_budget_room"] = s.vram_budget_room;
-  d["vram_budget_estimate"] = s.vram_budget_estimate;
-  d["pressure_yields"] = s.pressure_yields;  // times resident layers gave memory back to an allocation
-  d["pressure_yielded_bytes"] = s.pressure_yielded_bytes;
+#define LAYERSTREAM_ENGINE(type, name) d[#name] = s.engine.name;
+#define LAYERSTREAM_ARENA(type, name) d["host_" #name] = s.engine.arena.name;
+#define LAYERSTREAM_PREDICTOR(type, name) d["predictor_" #name] = s.predictor.name;
+#define LAYERSTREAM_STATE(type, name) d[#name] = s.name;
+#define LAYERSTREAM_ALIAS(old_name, name) d[#old_name] = py::object(d[#name]);
+  LAYERSTREAM_ENGINE_COUNTERS(LAYERSTREAM_ENGINE)
+  LAYERSTREAM_ENGINE_GAUGES(LAYERSTREAM_ENGINE)
+  LAYERSTREAM_ARENA_FIELDS(LAYERSTREAM_ARENA)
+  LAYERSTREAM_PREDICTOR_FIELDS(LAYERSTREAM_PREDICTOR)
+  LAYERSTREAM_STATE_FIELDS(LAYERSTREAM_STATE)
+  LAYERSTREAM_STATS_ALIASES(LAYERSTREAM_ALIAS)
+#undef LAYERSTREAM_ENGINE
+#undef LAYERSTREAM_ARENA
+#undef LAYERSTREAM_PREDICTOR
+#undef LAYERSTREAM_STATE
+#undef LAYERSTREAM_ALIAS
   d["device_bytes"] = s.engine.ring_capacity + s.engine.resident_bytes;  // what layerstream holds on the device
-  d["copy_wait_us"] = s.engine.copy_wait_us;  // LAYERSTREAM_TIME_WAITS=1: compute waiting for copies
-  d["copy_waits_timed"] = s.engine.copy_waits_timed;
   return d;
 }
 
