@@ -22,6 +22,7 @@
 #include <mutex>
 #include <vector>
 
+#include "layerstream/alignment.h"
 #include "layerstream/backend.h"
 #include "layerstream/stats_fields.h"
 
@@ -41,7 +42,7 @@ struct ArenaOptions {
   // the total (about 3% by default) for small models and large ones alike. 0: always chunk_bytes.
   std::size_t growth_divisor = 32;
   // Every block starts at a multiple of this (a power of two, at least 16).
-  std::size_t alignment = 256;
+  std::size_t alignment = kBlockAlignment;
   // Most bytes the arena will pin; chunks beyond it are pageable. 0 means no cap.
   std::size_t pinned_cap_bytes = 0;
   PinMethod pin_method = PinMethod::kHostAlloc;

@@ -17,6 +17,7 @@
 #include <malloc.h>
 #endif
 
+#include "layerstream/alignment.h"
 #include "layerstream/check.h"
 #include "race_checker.h"
 
@@ -25,7 +26,7 @@ namespace layerstream {
 namespace {
 
 constexpr std::size_t kHostActor = 0;
-constexpr std::size_t kAlignment = 256;
+constexpr std::size_t kAlignment = kBlockAlignment;
 
 // One record of an event: done once the stream that recorded it reaches that point. Waits hold on to the
 // record they saw, so re-recording the event never releases an earlier waiter early.

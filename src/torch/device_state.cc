@@ -20,6 +20,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
+
+#include "layerstream/cuda_check.h"
 #endif
 
 namespace layerstream::torchglue {
@@ -58,9 +60,8 @@ cudaStream_t allocation_stream(c10::DeviceIndex index) {
   if (it != streams->end()) return it->second;
   c10::cuda::CUDAGuard guard(index);
   cudaStream_t s = nullptr;
-  const cudaError_t status = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-  LS_CHECK(status == cudaSuccess, "could not create a CUDA stream on device ", static_cast<int>(index), ": ",
-           cudaGetErrorString(status));
+  LS_CUDA_CHECK_MSG(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "could not create a CUDA stream on device ",
+                    static_cast<int>(index));
   streams->emplace(index, s);
   return s;
 }
