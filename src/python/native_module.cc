@@ -48,20 +48,7 @@ struct PyStream {
   Stream stream;
 };
 
-}  // namespace
-
-PYBIND11_MODULE(_native, m) {
-  m.doc() = "layerstream native core (torch-free): backends, pinned arena, device ring, transfer engine";
-
-  py::register_exception<Error>(m, "NativeError", PyExc_RuntimeError);
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const InvalidArgument& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
-    }
-  });
-
+void bind_platform(py::module_& m) {
   m.def("cuda_compiled", &cuda_compiled, "Whether this build includes the CUDA backend.");
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_unavailable_reason", &cuda_unavailable_reason);
@@ -85,7 +72,9 @@ PYBIND11_MODULE(_native, m) {
       },
       py::arg("sink"), "Route core log messages to sink(level: int, message: str); None restores stderr.");
   m.def("reset_log_once", &reset_log_once);
+}
 
+void bind_backends(py::module_& m) {
   py::class_<Backend, std::unique_ptr<Backend>>(m, "Backend")
       .def_property_readonly("name", &Backend::name)
       .def_property_readonly("kind",
@@ -121,7 +110,10 @@ PYBIND11_MODULE(_native, m) {
     LS_CHECK_ARG(sim != nullptr, "sim_races: ", b.name(), " is not a sim backend");
     return sim->violations();
   });
+}
 
+// Streams, leases and the engine.
+void bind_engine(py::module_& m) {
   py::class_<PyStream>(m, "Stream")
       .def(py::init([](Backend& b) { return new PyStream{&b, Stream(b)}; }), py::keep_alive<1, 2>())
       .def("synchronize", [](PyStream& s) { s.backend->stream_synchronize(s.stream.get()); }, release_gil())
@@ -186,4 +178,23 @@ PYBIND11_MODULE(_native, m) {
           py::arg("lease"), py::arg("stream"), release_gil())
       .def("sync_downloads", &TransferEngine::sync_downloads, release_gil())
       .def("stats", [](const TransferEngine& e) { return engine_stats_dict(e.stats()); });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "layerstream native core (torch-free): backends, pinned arena, device ring, transfer engine";
+
+  py::register_exception<Error>(m, "NativeError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  bind_platform(m);
+  bind_backends(m);
+  bind_engine(m);
 }
