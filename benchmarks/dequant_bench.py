@@ -86,7 +86,7 @@ def contention(device, caps: list[int], bus_gbs: float, repeats: int = 5) -> lis
     tokens, hidden, out_features = 4608, 6144, 18432  # FLUX.2: image + text tokens, hidden, an MLP's width
     x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
     w = (torch.randn(out_features, hidden, generator=gen) * 0.02).to(torch.bfloat16)
-    packed, spec = mm._lossless_pack(w)
+    packed, spec = mm._testing.lossless_pack(w)
     packed = packed.to(device)
     w = w.to(device)
     y = torch.empty(tokens, out_features, dtype=torch.bfloat16, device=device)
@@ -109,7 +109,7 @@ def contention(device, caps: list[int], bus_gbs: float, repeats: int = 5) -> lis
           f"{'x alone':>8} {'decodes ms':>11}", flush=True)
     rows = []
     for cap in caps:
-        one = lambda: mm._lossless_unpack(packed, spec, [out_features, hidden], max_blocks=cap)  # noqa: E731
+        one = lambda: mm._testing.lossless_unpack(packed, spec, [out_features, hidden], max_blocks=cap)  # noqa: E731
         same = torch.equal(one(), w)
         t_one = _time(one, device, repeats * 4)
 
@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                 raw[(raw & 0x7F) == 0x7F] = 0  # no NaN codes: the comparison below is then exact
             codes = raw.view(getattr(torch, codes_dtype)).to(device)
             scale = (torch.rand(r, 1, generator=gen) * 0.01 + 1e-4).to(scale_dtype).to(device)
-            kernel = lambda: mm._dequantize(codes, scale, "bfloat16", math)  # noqa: E731
-            ops = lambda: mm._dequantize(codes, scale, "bfloat16", math, use_core=False)  # noqa: E731
+            kernel = lambda: mm._testing.dequantize(codes, scale, "bfloat16", math)  # noqa: E731
+            ops = lambda: mm._testing.dequantize(codes, scale, "bfloat16", math, use_core=False)  # noqa: E731
             same = torch.equal(kernel(), ops())
             moved = codes.numel() + scale.numel() * scale.element_size() + codes.numel() * 2
             t_k, t_o = _time(kernel, device, repeats), _time(ops, device, repeats)
@@ -176,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     for r, c in shapes:
         gen = torch.Generator(device="cpu").manual_seed(r * 17 + c)
         weight = (torch.randn(r, c, generator=gen) * 0.02).to(torch.bfloat16)
-        packed, spec = mm._lossless_pack(weight)
+        packed, spec = mm._testing.lossless_pack(weight)
         packed = packed.to(device)
-        kernel = lambda: mm._lossless_unpack(packed, spec, [r, c])  # noqa: E731
+        kernel = lambda: mm._testing.lossless_unpack(packed, spec, [r, c])  # noqa: E731
         same = torch.equal(kernel().cpu(), weight)
         moved = packed.numel() + weight.numel() * 2
         t_k = _time(kernel, device, repeats)

@@ -30,11 +30,11 @@ def main() -> None:
     total = n * per * 2
     rows, first = [], None
     for threads in args.threads:
-        mm._set_lossless_threads(threads)
+        mm._testing.set_lossless_threads(threads)
         best = float("inf")
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            packed = [mm._lossless_pack(w) for w in weights]
+            packed = [mm._testing.lossless_pack(w) for w in weights]
             best = min(best, time.perf_counter() - t0)
         digest = [(p[0].numel(), int(p[0].sum())) for p in packed]
         first = first or digest
@@ -42,10 +42,10 @@ def main() -> None:
         rows.append({"threads": threads or os.cpu_count(), "encode_gbps": round(total / best / 1e9, 3),
                      "ratio": round(sum(p[0].numel() for p in packed) / total, 4)})
         del packed
-    mm._set_lossless_threads(0)
-    codes, spec = mm._lossless_pack(weights[0])
+    mm._testing.set_lossless_threads(0)
+    codes, spec = mm._testing.lossless_pack(weights[0])
     t0 = time.perf_counter()
-    out = mm._lossless_unpack(codes, spec, [per])
+    out = mm._testing.lossless_unpack(codes, spec, [per])
     decode = time.perf_counter() - t0
     assert torch.equal(out, weights[0])
     print(json.dumps({"bytes": total, "encode": rows, "host_decode_gbps": round(per * 2 / decode / 1e9, 3),

@@ -27,7 +27,8 @@
 #   perf   FLUX.1-shaped: resident vs streamed bf16, streamed with float8 host storage, and stock vs
 #          layerstream under a 24 GiB cap with that cap as layerstream's VRAM budget
 #   lossless  LAYERSTREAM_HOST_DTYPE=lossless: the decoder's bandwidth, FLUX.1 100% streamed and FLUX.2
-#          under a 24 GiB cap, layerstream alone (LAYERSTREAM_LOSSLESS_RUNS picks; about 5 minutes)
+#          under a 24 GiB cap, layerstream alone (LAYERSTREAM_LOSSLESS_RUNS picks; about 5 minutes; flux1flow:
+#          FLUX.1 placed as AI-Toolkit places it, for the host RAM from the attach on)
 #   pyfiles  the GPU cases (-k cuda) of the test files in LAYERSTREAM_PY_FILES
 #   ostris AI-Toolkit's OstrisLinear quantizers on FLUX.2-shaped under a cap, stock vs layerstream
 #          (benchmarks/ostris_bench.py; LAYERSTREAM_OSTRIS_QTYPES, LAYERSTREAM_OSTRIS_CAP_GB)
@@ -448,6 +449,14 @@ if want lossless && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
     step "FLUX.1 100% streamed, layerstream with LAYERSTREAM_HOST_DTYPE=lossless"
     flux lossless_flux1 "${LENVS[@]}" --preset flux1 --mode layerstream --host-dtype lossless --warmup 3 --steps 4 \
       "${REF1[@]}"
+  fi
+  if [[ $LRUNS == *,flux1flow,* ]]; then
+    # Host RAM (issue 21): the model on the GPU before attach as AI-Toolkit places it, so the peak RSS from the
+    # attach on is what the manager holds (the packed bytes), beside the attach time.
+    step "FLUX.1 in AI-Toolkit's flow (no cap), 100% streamed, LAYERSTREAM_HOST_DTYPE=lossless: host RAM and attach time"
+    flux lossless_flux1_flow "${LENVS[@]}" --preset flux1 --aitk-flow --mode layerstream --host-dtype lossless \
+      --warmup 2 --steps 3 "${REF1[@]}"
+    grep -A3 "MemoryManager.attach" "$OUT/lossless_flux1_flow.md" | sed 's/^/      /' >>"$OUT/summary.txt"
   fi
   for item in ${LRUNS//,/ }; do
     [[ $item == flux1cap* ]] || continue

@@ -18,12 +18,13 @@
 #include <unordered_map>
 #include <vector>
 
+#include "layerstream/stats_fields.h"
+
 namespace layerstream {
 
+// The fields and what they count: LAYERSTREAM_PREDICTOR_FIELDS (stats_fields.h).
 struct PredictorStats {
-  std::uint64_t observed = 0;
-  std::uint64_t predicted = 0;  // observations for which a prediction existed
-  std::uint64_t correct = 0;    // ... and the layer used was the first one predicted
+  LAYERSTREAM_PREDICTOR_FIELDS(LAYERSTREAM_STATS_MEMBER)
 };
 
 class AccessPredictor {

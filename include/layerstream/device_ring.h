@@ -32,6 +32,7 @@
 #include <utility>
 #include <vector>
 
+#include "layerstream/alignment.h"
 #include "layerstream/backend.h"
 #include "layerstream/event_pool.h"
 
@@ -59,7 +60,7 @@ enum class RingPolicy { kFifo, kLeastRecentlyUsed };
 class DeviceRing {
  public:
   // With an `allocator`, `writer` is the stream that copies into the ring (see DeviceAllocator).
-  DeviceRing(Backend& backend, std::size_t capacity_bytes, std::size_t alignment = 256,
+  DeviceRing(Backend& backend, std::size_t capacity_bytes, std::size_t alignment = kBlockAlignment,
              DeviceAllocator allocator = {}, StreamHandle writer = {}, RingPolicy policy = RingPolicy::kFifo);
   DeviceRing(const DeviceRing&) = delete;
   DeviceRing& operator=(const DeviceRing&) = delete;

@@ -22,7 +22,9 @@
 #include <mutex>
 #include <vector>
 
+#include "layerstream/alignment.h"
 #include "layerstream/backend.h"
+#include "layerstream/stats_fields.h"
 
 namespace layerstream {
 
@@ -40,7 +42,7 @@ struct ArenaOptions {
   // the total (about 3% by default) for small models and large ones alike. 0: always chunk_bytes.
   std::size_t growth_divisor = 32;
   // Every block starts at a multiple of this (a power of two, at least 16).
-  std::size_t alignment = 256;
+  std::size_t alignment = kBlockAlignment;
   // Most bytes the arena will pin; chunks beyond it are pageable. 0 means no cap.
   std::size_t pinned_cap_bytes = 0;
   PinMethod pin_method = PinMethod::kHostAlloc;
@@ -52,16 +54,9 @@ struct HostBlock {
   bool pinned = false;
 };
 
+// The fields and what they count: LAYERSTREAM_ARENA_FIELDS (stats_fields.h).
 struct ArenaStats {
-  std::size_t bytes_requested = 0;   // sum of the sizes asked for by live blocks
-  std::size_t bytes_allocated = 0;   // the same, each rounded up to the alignment
-  std::size_t bytes_held = 0;        // chunk memory held (pinned + pageable)
-  std::size_t bytes_pinned = 0;      // part of bytes_held that is pinned
-  std::size_t peak_bytes_held = 0;
-  std::size_t chunks = 0;
-  std::size_t dedicated_chunks = 0;  // part of `chunks` that hold one large block each
-  std::size_t blocks = 0;
-  std::size_t pin_fallbacks = 0;     // chunks that could not be pinned
+  LAYERSTREAM_ARENA_FIELDS(LAYERSTREAM_STATS_MEMBER)
 };
 
 class PinnedArena {

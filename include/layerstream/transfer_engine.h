@@ -48,6 +48,7 @@
 #include "layerstream/device_ring.h"
 #include "layerstream/event_pool.h"
 #include "layerstream/pinned_arena.h"
+#include "layerstream/stats_fields.h"
 
 namespace layerstream {
 
@@ -92,33 +93,14 @@ struct Lease {
   std::uint64_t fill = 0;
 };
 
+// The fields and what they count: LAYERSTREAM_ENGINE_COUNTERS and LAYERSTREAM_ENGINE_GAUGES
+// (stats_fields.h).
 struct EngineStats {
-  std::uint64_t fetches = 0;
-  std::uint64_t copies_h2d = 0;
-  std::uint64_t bytes_h2d = 0;
-  std::uint64_t reuse_hits = 0;      // fetches served from the ring (prefetch hits included)
-  std::uint64_t prefetches = 0;      // copies issued by prefetch()
-  std::uint64_t prefetch_hits = 0;   // prefetched layers later fetched while still in the ring
-  std::uint64_t prefetch_wasted = 0; // prefetched layers evicted before any fetch
-  std::uint64_t resident_hits = 0;   // fetches served by a resident layer
-  std::size_t resident_layers = 0;
-  std::size_t resident_bytes = 0;
-  std::uint64_t evictions = 0;
-  std::uint64_t bounce_chunks = 0;  // pieces staged through bounce buffers (pageable layers)
-  std::uint64_t downloads = 0;
-  std::uint64_t bytes_d2h = 0;
-  // EngineOptions::time_waits: time the consumers spent waiting for copies (microseconds, summed over the
-  // waits measured so far), and how many waits that covers.
-  std::uint64_t copy_wait_us = 0;
-  std::uint64_t copy_waits_timed = 0;
-  // Adds the cumulative counters above (not the gauges below) of `other`, e.g. of a retired engine.
+  LAYERSTREAM_ENGINE_COUNTERS(LAYERSTREAM_STATS_MEMBER)
+  // Adds the cumulative counters (not the gauges) of `other`, e.g. of a retired engine.
   void add_counters(const EngineStats& other);
 
-  std::size_t layers = 0;
-  std::size_t leases_outstanding = 0;
-  std::size_t downloads_pending = 0;
-  std::size_t ring_capacity = 0;
-  std::size_t ring_bytes_live = 0;
+  LAYERSTREAM_ENGINE_GAUGES(LAYERSTREAM_STATS_MEMBER)
   ArenaStats arena;
 };
 

@@ -65,7 +65,7 @@ class _Packed:
         """The exact values: the plain tensor once written, else a fresh decode (the caller's to drop)."""
         if self.plain is not None:
             return self.plain
-        return _mm()._lossless_unpack(self.codes, self.spec, list(self.shape))
+        return _mm()._packed.unpack(self.codes, self.spec, list(self.shape))
 
     def materialize(self) -> torch.Tensor:
         """Makes the weight plain (for a write): decoded once, kept, and the packed bytes let go."""

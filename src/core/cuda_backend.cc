@@ -8,17 +8,8 @@
 
 #include <functional>
 
+#include "layerstream/cuda_check.h"
 #include "layerstream/log.h"
-
-// LS_CUDA_CHECK(call): throws layerstream::Error naming the call and the CUDA error.
-#define LS_CUDA_CHECK(call)                                                                    \
-  do {                                                                                         \
-    const cudaError_t ls_status_ = (call);                                                     \
-    if (ls_status_ != cudaSuccess) {                                                           \
-      LS_FAIL("CUDA call `", #call, "` failed: ", cudaGetErrorName(ls_status_), " (",         \
-              cudaGetErrorString(ls_status_), ")");                                            \
-    }                                                                                          \
-  } while (0)
 
 namespace layerstream {
 
@@ -46,8 +37,7 @@ class DeviceGuard {
 // Called from noexcept paths (destroy/free): a failure there cannot be thrown, so it is logged.
 void warn_on_error(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
-    log(LogLevel::kWarning, detail::concat(what, " failed: ", cudaGetErrorName(status), " (",
-                                           cudaGetErrorString(status), ")"));
+    log(LogLevel::kWarning, detail::concat(what, " failed: ", cuda_error_text(status)));
   }
 }
 
@@ -241,8 +231,7 @@ std::string cuda_unavailable_reason() {
   const cudaError_t status = cudaGetDeviceCount(&count);
   if (status != cudaSuccess) {
     (void)cudaGetLastError();
-    return detail::concat("the CUDA runtime found no usable device: ", cudaGetErrorName(status), " (",
-                          cudaGetErrorString(status), ")");
+    return "the CUDA runtime found no usable device: " + cuda_error_text(status);
   }
   return count == 0 ? "no CUDA device is visible" : "";
 }

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "layerstream/check.h"
+#include "layerstream/cuda_check.h"
 #include "layerstream/dequant.h"
 
 namespace layerstream {
@@ -173,9 +174,7 @@ void dequantize_cuda(const DequantSpec& spec, const void* codes, const void* sca
     case CodeType::kFloat8E5M2: launch_for_code<CodeType::kFloat8E5M2>(a, spec.out, width, s); break;
     case CodeType::kInt8: launch_for_code<CodeType::kInt8>(a, spec.out, width, s); break;
   }
-  const cudaError_t status = cudaGetLastError();
-  LS_CHECK(status == cudaSuccess, "dequantize kernel launch failed: ", cudaGetErrorName(status), " (",
-           cudaGetErrorString(status), ")");
+  LS_CUDA_CHECK_MSG(cudaGetLastError(), "dequantize kernel launch failed");
 }
 
 }  // namespace layerstream

@@ -6,32 +6,21 @@
 #include <cstring>
 
 #include "layerstream/check.h"
+#include "transfer_engine_internal.h"
 
 namespace layerstream {
 
-namespace {
-// Lease::fill numbers, unique in the process (a rebuilt engine must not repeat an old engine's).
+namespace detail {
 std::uint64_t next_fill() {
   static std::atomic<std::uint64_t> counter{0};
   return ++counter;
 }
-}  // namespace
+}  // namespace detail
 
 void EngineStats::add_counters(const EngineStats& other) {
-  fetches += other.fetches;
-  copies_h2d += other.copies_h2d;
-  bytes_h2d += other.bytes_h2d;
-  reuse_hits += other.reuse_hits;
-  prefetches += other.prefetches;
-  prefetch_hits += other.prefetch_hits;
-  prefetch_wasted += other.prefetch_wasted;
-  resident_hits += other.resident_hits;
-  evictions += other.evictions;
-  bounce_chunks += other.bounce_chunks;
-  downloads += other.downloads;
-  bytes_d2h += other.bytes_d2h;
-  copy_wait_us += other.copy_wait_us;
-  copy_waits_timed += other.copy_waits_timed;
+#define LAYERSTREAM_ADD(type, name) name += other.name;
+  LAYERSTREAM_ENGINE_COUNTERS(LAYERSTREAM_ADD)
+#undef LAYERSTREAM_ADD
 }
 
 TransferEngine::TransferEngine(Backend& backend, EngineOptions options)
@@ -231,7 +220,7 @@ Lease TransferEngine::fetch(LayerId id) {
       ++stats_.copies_h2d;
       stats_.bytes_h2d += layer.block.bytes;
       layer.resident_stale = false;
-      layer.resident_fill = next_fill();
+      layer.resident_fill = detail::next_fill();
       lease.copied = true;
     }
     ++stats_.resident_hits;
@@ -279,71 +268,6 @@ bool TransferEngine::prefetch(LayerId id) {
   return true;
 }
 
-bool TransferEngine::make_resident(LayerId id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  Layer& layer = layer_locked(id);
-  if (layer.resident.data() != nullptr) return true;
-  try {
-    layer.resident = DeviceBuffer(backend_, layer.block.bytes, options_.ring_allocator, h2d_.get());
-  } catch (const Error&) {
-    return false;  // out of device memory: the layer keeps streaming
-  }
-  try {
-    wait_derivation_on_h2d_locked(layer);
-    copy_in_locked(layer, layer.resident.data());
-    layer.copied.record(h2d_.get());
-  } catch (...) {
-    // Not resident: a copy that could not be issued leaves no memory that a fetch would serve. The memory
-    // goes back to an allocator that does not order it after H2D (drop_resident_locked), so the host waits
-    // for whatever part of the copy was enqueued first.
-    record_after_failed_copy_locked(layer, h2d_.get());
-    try {
-      layer.copied.synchronize();
-    } catch (...) {  // the device fails every call now: nothing it runs can still write the buffer
-    }
-    layer.resident.reset();
-    throw;
-  }
-  ++stats_.copies_h2d;
-  stats_.bytes_h2d += layer.block.bytes;
-  layer.resident_stale = false;
-  layer.resident_fill = next_fill();
-  if (layer.leases == 0) discard_region_locked(layer);  // its ring copy is not needed any more
-  ++stats_.resident_layers;
-  stats_.resident_bytes += layer.block.bytes;
-  return true;
-}
-
-void TransferEngine::evict_resident(LayerId id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  Layer& layer = layer_locked(id);
-  check_not_in_use_locked(layer, id, "evict_resident");
-  drop_resident_locked(layer);
-}
-
-std::size_t TransferEngine::yield_resident(std::size_t want) {
-  std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
-  if (!lock.owns_lock()) return 0;
-  std::vector<Layer*> idle;
-  for (auto& [id, layer] : layers_) {
-    if (layer.resident.data() != nullptr && layer.leases == 0) idle.push_back(&layer);
-  }
-  // Largest first: the fewest layers go back to streaming for the bytes asked.
-  std::sort(idle.begin(), idle.end(), [](const Layer* a, const Layer* b) { return a->block.bytes > b->block.bytes; });
-  std::size_t freed = 0;
-  for (Layer* layer : idle) {
-    if (freed >= want) break;
-    freed += layer->block.bytes;
-    drop_resident_locked(*layer);
-  }
-  return freed;
-}
-
-bool TransferEngine::resident(LayerId id) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return layer_locked(id).resident.data() != nullptr;
-}
-
 void TransferEngine::wait_derivation_on_h2d_locked(Layer& layer) {
   // For a layer with a fill hook, `copied` names the last derivation on the derive stream. H2D waits for it
   // before a copy overwrites the region the derivation reads and writes (eviction, discard), and before
@@ -354,21 +278,6 @@ void TransferEngine::wait_derivation_on_h2d_locked(Layer& layer) {
 
 void TransferEngine::wait_resident_readers_on_h2d_locked(Layer& layer) {
   layer.resident_released.wait_on(backend_, h2d_.get());
-}
-
-void TransferEngine::drop_resident_locked(Layer& layer) {
-  if (layer.resident.data() == nullptr) return;
-  // The memory may go straight back to an allocator that does not synchronize: wait for every reader
-  // and for the copies into it first.
-  layer.resident_released.synchronize();
-  std::vector<Event> done;
-  layer.resident_released.move_events_to(done);
-  events_.give(done);
-  layer.copied.synchronize();
-  --stats_.resident_layers;
-  stats_.resident_bytes -= layer.block.bytes;
-  layer.resident.reset();
-  layer.resident_stale = false;
 }
 
 void TransferEngine::settle_eviction_locked(Eviction& eviction) {
@@ -393,7 +302,7 @@ void TransferEngine::copy_layer_locked(Layer& layer, bool held, Eviction& evicti
   try {
     settle_eviction_locked(eviction);
     copy_in_locked(layer, region);
-    layer.fill = next_fill();
+    layer.fill = detail::next_fill();
     if (layer.on_fill) {
       // The derivation on its own stream: H2D goes on to the next copy while it runs.
       layer.landed.record(h2d_.get());
@@ -518,43 +427,6 @@ void TransferEngine::release(const Lease& lease, StreamHandle consumer) {
   }
   if (layer != layers_.end()) --layer->second.leases;
   leases_.erase(it);
-}
-
-std::uint64_t TransferEngine::download(void* host_dst, const void* device_src, std::size_t bytes,
-                                       StreamHandle producer) {
-  LS_CHECK_ARG(bytes > 0, "download: size must be positive");
-  LS_CHECK_ARG(producer, "download: null producer stream");
-  std::lock_guard<std::mutex> lock(mu_);
-  Event produced = events_.take();
-  produced.record(producer);
-  backend_.stream_wait_event(d2h_.get(), produced.get());
-  events_.give(std::move(produced));  // the wait is enqueued; the event may be reused
-  backend_.memcpy_d2h_async(host_dst, device_src, bytes, d2h_.get());
-  Event done = events_.take();
-  done.record(d2h_.get());
-  const std::uint64_t ticket = next_ticket_++;
-  downloads_.emplace(ticket, std::move(done));
-  ++stats_.downloads;
-  stats_.bytes_d2h += bytes;
-  return ticket;
-}
-
-void TransferEngine::wait_download(std::uint64_t ticket) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = downloads_.find(ticket);
-  LS_CHECK_ARG(it != downloads_.end(), "wait_download: no pending download ", ticket);
-  it->second.synchronize();
-  events_.give(std::move(it->second));
-  downloads_.erase(it);
-}
-
-void TransferEngine::sync_downloads() {
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [ticket, done] : downloads_) {
-    done.synchronize();
-    events_.give(std::move(done));
-  }
-  downloads_.clear();
 }
 
 EngineStats TransferEngine::stats() const {

@@ -2,11 +2,12 @@
 
 #include <algorithm>
 
+#include "layerstream/alignment.h"
 #include "layerstream/check.h"
 
 namespace layerstream {
 namespace {
-constexpr std::size_t kRingAlignment = 256;  // as DeviceRing places regions
+constexpr std::size_t kRingAlignment = kBlockAlignment;  // as DeviceRing places regions
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 constexpr std::size_t kMostHeadroomPermille = 250;
 }  // namespace

@@ -23,38 +23,24 @@ using release_gil = py::call_guard<py::gil_scoped_release>;
 
 std::uintptr_t address(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
 
+// The fields by their names (layerstream/stats_fields.h).
+#define LAYERSTREAM_TO_DICT(type, name) d[#name] = s.name;
+
 py::dict arena_stats_dict(const ArenaStats& s) {
   py::dict d;
-  d["bytes_requested"] = s.bytes_requested;
-  d["bytes_allocated"] = s.bytes_allocated;
-  d["bytes_held"] = s.bytes_held;
-  d["bytes_pinned"] = s.bytes_pinned;
-  d["peak_bytes_held"] = s.peak_bytes_held;
-  d["chunks"] = s.chunks;
-  d["dedicated_chunks"] = s.dedicated_chunks;
-  d["blocks"] = s.blocks;
-  d["pin_fallbacks"] = s.pin_fallbacks;
+  LAYERSTREAM_ARENA_FIELDS(LAYERSTREAM_TO_DICT)
   return d;
 }
 
 py::dict engine_stats_dict(const EngineStats& s) {
   py::dict d;
-  d["fetches"] = s.fetches;
-  d["copies_h2d"] = s.copies_h2d;
-  d["bytes_h2d"] = s.bytes_h2d;
-  d["reuse_hits"] = s.reuse_hits;
-  d["evictions"] = s.evictions;
-  d["bounce_chunks"] = s.bounce_chunks;
-  d["downloads"] = s.downloads;
-  d["bytes_d2h"] = s.bytes_d2h;
-  d["layers"] = s.layers;
-  d["leases_outstanding"] = s.leases_outstanding;
-  d["downloads_pending"] = s.downloads_pending;
-  d["ring_capacity"] = s.ring_capacity;
-  d["ring_bytes_live"] = s.ring_bytes_live;
+  LAYERSTREAM_ENGINE_COUNTERS(LAYERSTREAM_TO_DICT)
+  LAYERSTREAM_ENGINE_GAUGES(LAYERSTREAM_TO_DICT)
   d["arena"] = arena_stats_dict(s.arena);
   return d;
 }
+
+#undef LAYERSTREAM_TO_DICT
 
 // Python-side owner of a stream (the RAII Stream, plus a way to synchronize it).
 struct PyStream {
@@ -62,20 +48,7 @@ struct PyStream {
   Stream stream;
 };
 
-}  // namespace
-
-PYBIND11_MODULE(_native, m) {
-  m.doc() = "layerstream native core (torch-free): backends, pinned arena, device ring, transfer engine";
-
-  py::register_exception<Error>(m, "NativeError", PyExc_RuntimeError);
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const InvalidArgument& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
-    }
-  });
-
+void bind_platform(py::module_& m) {
   m.def("cuda_compiled", &cuda_compiled, "Whether this build includes the CUDA backend.");
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_unavailable_reason", &cuda_unavailable_reason);
@@ -99,7 +72,9 @@ PYBIND11_MODULE(_native, m) {
       },
       py::arg("sink"), "Route core log messages to sink(level: int, message: str); None restores stderr.");
   m.def("reset_log_once", &reset_log_once);
+}
 
+void bind_backends(py::module_& m) {
   py::class_<Backend, std::unique_ptr<Backend>>(m, "Backend")
       .def_property_readonly("name", &Backend::name)
       .def_property_readonly("kind",
@@ -135,7 +110,10 @@ PYBIND11_MODULE(_native, m) {
     LS_CHECK_ARG(sim != nullptr, "sim_races: ", b.name(), " is not a sim backend");
     return sim->violations();
   });
+}
 
+// Streams, leases and the engine.
+void bind_engine(py::module_& m) {
   py::class_<PyStream>(m, "Stream")
       .def(py::init([](Backend& b) { return new PyStream{&b, Stream(b)}; }), py::keep_alive<1, 2>())
       .def("synchronize", [](PyStream& s) { s.backend->stream_synchronize(s.stream.get()); }, release_gil())
@@ -200,4 +178,23 @@ PYBIND11_MODULE(_native, m) {
           py::arg("lease"), py::arg("stream"), release_gil())
       .def("sync_downloads", &TransferEngine::sync_downloads, release_gil())
       .def("stats", [](const TransferEngine& e) { return engine_stats_dict(e.stats()); });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "layerstream native core (torch-free): backends, pinned arena, device ring, transfer engine";
+
+  py::register_exception<Error>(m, "NativeError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  bind_platform(m);
+  bind_backends(m);
+  bind_engine(m);
 }

@@ -33,6 +33,7 @@
 #include "layerstream/backend.h"
 #include "layerstream/pinned_arena.h"
 #include "layerstream/shared_host.h"
+#include "layerstream/stats_fields.h"
 #include "layerstream/transfer_engine.h"
 #include "layerstream/vram_budget.h"
 #include "settings.h"
@@ -79,23 +80,12 @@ struct DeviceMemoryView {
 // decoded into after the copy (losslessly packed weights).
 enum class DequantUse { kIntoScratch, kReused, kOwnMemory, kOnCopy };
 
+// A device state's counters: its engine's (the retired engines' counters added), its predictor's, and its
+// own, LAYERSTREAM_STATE_FIELDS (layerstream/stats_fields.h, which says what each counts).
 struct StateStats {
   EngineStats engine;
-  std::uint64_t dequant_into_scratch = 0;
-  std::uint64_t dequant_reused = 0;
-  std::uint64_t dequant_own_memory = 0;
-  std::uint64_t dequant_on_copy = 0;
   PredictorStats predictor;
-  std::uint64_t engines_built = 0;
-  std::uint64_t sim_races = 0;  // sim mode: unordered accesses the race checker found
-  std::size_t vram_budget_room = 0;  // bytes the VRAM budget let stay resident (0 before it was planned)
-  // Bytes per step the plan's replay expects to cross the bus (residency_plan.h), to set beside bytes_h2d.
-  std::uint64_t vram_budget_estimate = 0;
-  bool vram_budget_planned = false;
-  // Memory pressure: how often resident copies were given back to an allocation that did not fit, and
-  // how many bytes in all (yield_for_pressure).
-  std::uint64_t pressure_yields = 0;
-  std::uint64_t pressure_yielded_bytes = 0;
+  LAYERSTREAM_STATE_FIELDS(LAYERSTREAM_STATS_MEMBER)
 };
 
 // Marks, on this thread, a layer forward that the caller runs with grad enabled. torch turns grad mode

@@ -68,4 +68,9 @@ class HostShare {
   std::vector<std::string> created_;
 };
 
+// LAYERSTREAM_SHARE_HOST: whether this process shares, and the name its host's ranks agree on
+// (share_handshake.cc): torchrun's run id, LAYERSTREAM_SHARE_TOKEN, or a name drawn by global rank 0 and
+// broadcast through torch.distributed. Takes the GIL for the broadcast. The resolver the module installs.
+std::optional<ShareConfig> resolve_share();
+
 }  // namespace layerstream::torchglue

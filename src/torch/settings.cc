@@ -80,6 +80,51 @@ struct Entry {
   Parser parse;
 };
 
+// The parsers too long for a line of the table.
+void parse_ring_policy(Settings& s, const std::string& n, const std::string& t) {
+  LS_CHECK_ARG(t == "fifo" || t == "lru", n, "=", t,
+               " is not understood; give fifo (the default: a region goes at the ring's head) or lru (over "
+               "the memory used longest ago)");
+  s.ring_policy = t == "lru" ? RingPolicy::kLeastRecentlyUsed : RingPolicy::kFifo;
+}
+
+void parse_host_dtype(Settings& s, const std::string& n, const std::string& t) {
+  if (t == "same") s.host_dtype = HostDtype::kSame;
+  else if (t == "lossless") s.host_dtype = HostDtype::kLossless;
+  else if (t == "float8_e4m3fn") s.host_dtype = HostDtype::kFloat8E4M3;
+  else if (t == "float8_e5m2") s.host_dtype = HostDtype::kFloat8E5M2;
+  else
+    LS_CHECK_ARG(false, n, "=", t,
+                 " is not a setting layerstream knows: use lossless (frozen bfloat16 weights kept and streamed "
+                 "exactly, in about three quarters of their bytes), float8_e4m3fn or float8_e5m2 (frozen "
+                 "weights kept and streamed as 8-bit codes with a scale per output channel), or unset it (or "
+                 "'same') to stream weights as they are");
+}
+
+void parse_share_host(Settings& s, const std::string& n, const std::string& t) {
+  if (t == "auto") s.share_host = ShareHost::kAuto;
+  else if (t == "1" || t == "on") s.share_host = ShareHost::kOn;
+  else if (t == "0" || t == "off") s.share_host = ShareHost::kOff;
+  else LS_CHECK_ARG(false, n, "=", t, " is not a setting layerstream knows: auto (the default), 1 or 0");
+}
+
+void parse_share_timeout(Settings& s, const std::string& n, const std::string& t) {
+  std::string rest;
+  const std::optional<double> v = decimal(t, rest);
+  LS_CHECK_ARG(v && rest.empty() && *v > 0 && *v <= kMostTimeoutS, n, "=", t,
+               " is not a positive number of seconds up to 31536000 (a year); unset it or give e.g. ", n,
+               "=600");
+  s.share_timeout_s = *v;
+}
+
+void parse_share_token(Settings& s, const std::string& n, const std::string& t) {
+  for (char c : t) {
+    LS_CHECK_ARG(std::isalnum(static_cast<unsigned char>(c)) || c == '_', n,
+                 " must be letters, digits and underscores, not '", t, "'; e.g. ", n, "=job_42");
+  }
+  s.share_token = t;
+}
+
 // Every setting, in the order of the docs' table (docs/ai-toolkit.md, "Modes and settings").
 const std::vector<Entry>& entries() {
   static const std::vector<Entry> table = {
@@ -92,13 +137,7 @@ const std::vector<Entry>& entries() {
        [](Settings& s, const std::string& n, const std::string& t) { s.ring_bytes = mib(n, t, false, "3072"); }},
       {"LAYERSTREAM_PREFETCH",
        [](Settings& s, const std::string& n, const std::string& t) { s.prefetch = switch_value(n, t, "0"); }},
-      {"LAYERSTREAM_RING_POLICY",
-       [](Settings& s, const std::string& n, const std::string& t) {
-         LS_CHECK_ARG(t == "fifo" || t == "lru", n, "=", t,
-                      " is not understood; give fifo (the default: a region goes at the ring's head) or lru (over "
-                      "the memory used longest ago)");
-         s.ring_policy = t == "lru" ? RingPolicy::kLeastRecentlyUsed : RingPolicy::kFifo;
-       }},
+      {"LAYERSTREAM_RING_POLICY", &parse_ring_policy},
       {"LAYERSTREAM_PREFETCH_LAYERS",
        [](Settings& s, const std::string& n, const std::string& t) {
          s.prefetch_layers = static_cast<std::size_t>(
@@ -108,43 +147,10 @@ const std::vector<Entry>& entries() {
        [](Settings& s, const std::string& n, const std::string& t) { s.resident_bytes = mib(n, t, true, "4096"); }},
       {"LAYERSTREAM_VRAM_BUDGET",
        [](Settings& s, const std::string&, const std::string& t) { s.vram_budget = VramBudget::parse(t.c_str()); }},
-      {"LAYERSTREAM_HOST_DTYPE",
-       [](Settings& s, const std::string& n, const std::string& t) {
-         if (t == "same") s.host_dtype = HostDtype::kSame;
-         else if (t == "lossless") s.host_dtype = HostDtype::kLossless;
-         else if (t == "float8_e4m3fn") s.host_dtype = HostDtype::kFloat8E4M3;
-         else if (t == "float8_e5m2") s.host_dtype = HostDtype::kFloat8E5M2;
-         else
-           LS_CHECK_ARG(false, n, "=", t,
-                        " is not a setting layerstream knows: use lossless (frozen bfloat16 weights kept and streamed "
-                        "exactly, in about three quarters of their bytes), float8_e4m3fn or float8_e5m2 (frozen "
-                        "weights kept and streamed as 8-bit codes with a scale per output channel), or unset it (or "
-                        "'same') to stream weights as they are");
-       }},
-      {"LAYERSTREAM_SHARE_HOST",
-       [](Settings& s, const std::string& n, const std::string& t) {
-         if (t == "auto") s.share_host = ShareHost::kAuto;
-         else if (t == "1" || t == "on") s.share_host = ShareHost::kOn;
-         else if (t == "0" || t == "off") s.share_host = ShareHost::kOff;
-         else LS_CHECK_ARG(false, n, "=", t, " is not a setting layerstream knows: auto (the default), 1 or 0");
-       }},
-      {"LAYERSTREAM_SHARE_TIMEOUT_S",
-       [](Settings& s, const std::string& n, const std::string& t) {
-         std::string rest;
-         const std::optional<double> v = decimal(t, rest);
-         LS_CHECK_ARG(v && rest.empty() && *v > 0 && *v <= kMostTimeoutS, n, "=", t,
-                      " is not a positive number of seconds up to 31536000 (a year); unset it or give e.g. ", n,
-                      "=600");
-         s.share_timeout_s = *v;
-       }},
-      {"LAYERSTREAM_SHARE_TOKEN",
-       [](Settings& s, const std::string& n, const std::string& t) {
-         for (char c : t) {
-           LS_CHECK_ARG(std::isalnum(static_cast<unsigned char>(c)) || c == '_', n,
-                        " must be letters, digits and underscores, not '", t, "'; e.g. ", n, "=job_42");
-         }
-         s.share_token = t;
-       }},
+      {"LAYERSTREAM_HOST_DTYPE", &parse_host_dtype},
+      {"LAYERSTREAM_SHARE_HOST", &parse_share_host},
+      {"LAYERSTREAM_SHARE_TIMEOUT_S", &parse_share_timeout},
+      {"LAYERSTREAM_SHARE_TOKEN", &parse_share_token},
       {"LAYERSTREAM_CHUNK_MB",
        [](Settings& s, const std::string& n, const std::string& t) { s.chunk_bytes = mib(n, t, false, "256"); }},
       {"LAYERSTREAM_PINNED_CAP_MB",

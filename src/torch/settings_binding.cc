@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cctype>
 
+#include "bindings.h"
 #include "layerstream/check.h"
 #include "settings.h"
 #include "streamed_layer.h"

@@ -50,10 +50,10 @@ def _spread(w: torch.Tensor) -> None:
 def decode_blocks(request):
     """The limit on the decode's thread blocks for one test (0: none; 1: one block loops over the whole
     weight, on the GPU), set back afterwards."""
-    before = mm._decode_blocks()
-    mm._set_decode_blocks(request.param)
+    before = mm._testing.decode_blocks()
+    mm._testing.set_decode_blocks(request.param)
     yield request.param
-    mm._set_decode_blocks(before)
+    mm._testing.set_decode_blocks(before)
 
 
 @pytest.mark.parametrize("decode_blocks", [0, 1], indirect=True, ids=["all-blocks", "one-block"])
@@ -219,24 +219,24 @@ def test_lossless_packs_once_frozen_and_stores_plainly_while_trained(engine, dev
 def test_the_pack_and_unpack_bindings_round_trip_and_refuse_a_wrong_shape(engine, device):
     torch.manual_seed(7)
     weight = (torch.randn(33, 17) * 0.05).to(torch.bfloat16)
-    packed, spec = mm._lossless_pack(weight)
+    packed, spec = mm._testing.lossless_pack(weight)
     assert packed.numel() == packed_bytes(weight) and spec[0] == weight.numel()
-    assert torch.equal(mm._lossless_unpack(packed.to(device), spec, [33, 17]).cpu(), weight)
+    assert torch.equal(mm._testing.lossless_unpack(packed.to(device), spec, [33, 17]).cpu(), weight)
     with pytest.raises(ValueError, match="561 values needed.*shape \\[17, 34\\]"):
-        mm._lossless_unpack(packed, spec, [17, 34])
+        mm._testing.lossless_unpack(packed, spec, [17, 34])
     with pytest.raises(ValueError, match="non-empty bfloat16 tensor, not Float"):
-        mm._lossless_pack(weight.float())
+        mm._testing.lossless_pack(weight.float())
 
 
 def test_the_decode_block_limit_refuses_what_the_kernel_cannot_launch():
     import subprocess
     import sys
 
-    before = mm._decode_blocks()
+    before = mm._testing.decode_blocks()
     with pytest.raises(ValueError, match="70000 is above the kernel's limit of 65536 \\(0: no limit\\)"):
-        mm._set_decode_blocks(70000)
-    assert mm._decode_blocks() == before
-    code = "from layerstream import manager_modules as mm; print(mm._decode_blocks())"
+        mm._testing.set_decode_blocks(70000)
+    assert mm._testing.decode_blocks() == before
+    code = "from layerstream import manager_modules as mm; print(mm._testing.decode_blocks())"
     for value, expected in (("132", "132"), ("", "0")):
         env = dict(os.environ, LAYERSTREAM_DECODE_BLOCKS=value)
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

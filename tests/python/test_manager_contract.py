@@ -100,6 +100,38 @@ def test_ara_adapter_org_forward_is_replaced_not_the_layer_forward(engine, devic
     assert torch.equal(adapter.org_forward(x), ref)
 
 
+def test_the_namespace_is_ai_toolkits_with_layerstreams_own_and_the_test_hooks_apart():
+    # AI-Toolkit's manager_modules: the three managers, their base, _DEVICE_STATE, sync_grad_transfers.
+    # layerstream's own: DeviceState (the values of _DEVICE_STATE), stats, live_device_states, settings,
+    # configure, __torch_version__, and _packed (what layerstream.packed_weight calls). Hooks for tests and
+    # benchmarks live in _testing only.
+    names = {n for n in dir(mm) if not (n.startswith("__") and n.endswith("__"))}
+    assert names == {
+        "BaseLayerMemoryManager", "LinearLayerMemoryManager", "ConvLayerMemoryManager",
+        "OstrisLinearLayerMemoryManager", "_DEVICE_STATE", "sync_grad_transfers",
+        "DeviceState", "stats", "live_device_states", "settings", "configure", "_testing", "_packed",
+    }
+    hooks = {n for n in dir(mm._testing) if not n.startswith("__")}
+    assert hooks == {"dequantize", "lossless_pack", "lossless_unpack", "decode_blocks", "set_decode_blocks",
+                     "reset_log_once", "sim_fail_next_copies", "sim_device_alloc", "sim_device_free",
+                     "lossless_threads", "set_lossless_threads"}
+    assert {n for n in dir(mm._packed) if not n.startswith("__")} == {"unpack"}
+    assert [n for n in dir(mm.DeviceState) if n.startswith("_sim")] == []
+
+
+def test_the_older_stats_names_read_the_same_counters(engine, device):
+    layer = torch.nn.Linear(16, 8)
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    layer(torch.randn(2, 16))
+    for stats in (mm._DEVICE_STATE[device].stats(), mm.stats()):
+        assert stats["pinned_bytes"] == stats["host_bytes_pinned"]
+        assert stats["ring_bytes"] == stats["ring_capacity"]
+        assert stats["predicted_uses"] == stats["predictor_predicted"]
+        assert stats["predicted_correctly"] == stats["predictor_correct"]
+        assert stats["device_bytes"] == stats["ring_capacity"] + stats["resident_bytes"]
+        assert stats["host_bytes_requested"] >= (16 * 8 + 8) * 4  # this layer's weight and bias at least
+
+
 # ---- bitwise equality -----------------------------------------------------------------------------------
 
 def assert_same_forward_backward(ref, layer, x_ref, x, trainable):
@@ -409,7 +441,7 @@ def test_a_copy_that_cannot_be_issued_fails_only_its_call_and_training_goes_on_e
         for step in range(5):
             x = torch.randn(2, 6, 256, generator=g)
             for failures in ((1, 0) if step in (2, 3) else (0,)):
-                state._sim_fail_next_copies(failures)
+                mm._testing.sim_fail_next_copies(state, failures)
                 opt.zero_grad(set_to_none=True)
                 try:
                     loss = managed(x).float().pow(2).mean()
@@ -419,7 +451,7 @@ def test_a_copy_that_cannot_be_issued_fails_only_its_call_and_training_goes_on_e
                     failed_calls += 1
                     assert state.stats()["leases_outstanding"] == 0
                     continue
-                state._sim_fail_next_copies(0)
+                mm._testing.sim_fail_next_copies(state, 0)
                 mm.sync_grad_transfers()
                 opt.step()
                 losses.append(loss.item())

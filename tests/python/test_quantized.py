@@ -219,7 +219,7 @@ def test_a_weight_of_a_layout_not_streamed_says_so_once_with_its_type(engine, de
     x = torch.randn(3, 64, dtype=torch.bfloat16, device=device)
     with torch.no_grad():
         expected = [_reference(layer.to(device), x, False) for layer in layers]
-    mm._reset_log_once()
+    mm._testing.reset_log_once()
     with caplog.at_level(logging.INFO, logger="layerstream"):
         for layer in layers:
             mm.LinearLayerMemoryManager.attach(layer, Manager(device))

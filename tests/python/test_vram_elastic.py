@@ -2,7 +2,7 @@
 give their memory back when another allocation of the process needs it (issue 20).
 
 On the simulator a device allocation that does not fit calls the engine's pressure hook first, as torch's
-caching allocator runs its free-memory callbacks; `_sim_device_alloc` plays the user's allocation (a text
+caching allocator runs its free-memory callbacks; `_testing.sim_device_alloc` plays the user's allocation (a text
 encoder loaded again, a larger bucket). The CUDA cases run where there is a GPU: the model placed on the
 device before attach (as AI-Toolkit's flux2_model.py does), an earlier peak, then training."""
 
@@ -93,9 +93,9 @@ def test_resident_layers_give_memory_back_to_an_allocation_that_needs_it_and_the
         seen[step] = stats
         if step == 3:
             assert stats["vram_budget_planned"] == 1 and stats["resident_bytes"] >= _linear_bytes(base)
-            held.append(state._sim_device_alloc(6 * MiB))  # fits only if resident layers make room
+            held.append(mm._testing.sim_device_alloc(state, 6 * MiB))  # fits only if resident layers make room
         if step == 9:
-            state._sim_device_free(held.pop())
+            mm._testing.sim_device_free(state, held.pop())
 
     with caplog.at_level(logging.INFO, logger="layerstream"):
         losses = _train(managed, apply_lora(managed), device, STEPS, between)
@@ -127,12 +127,12 @@ def test_an_allocation_inside_a_step_that_needs_resident_memory_doubles_the_plan
     def in_step(module, args):
         if step_now[0] == 4 and not held:
             assert state.stats()["resident_bytes"] >= _linear_bytes(base)
-            held.append(state._sim_device_alloc(6 * MiB))
+            held.append(mm._testing.sim_device_alloc(state, 6 * MiB))
 
     def between(step):
         step_now[0] = step + 1
         if step == 5 and held:
-            state._sim_device_free(held.pop())
+            mm._testing.sim_device_free(state, held.pop())
 
     hook = managed.blocks[-1].register_forward_pre_hook(in_step)
     try:
@@ -157,7 +157,7 @@ def test_without_a_budget_an_allocation_that_does_not_fit_still_fails_and_nothin
     def between(step):
         if step == 1:
             with pytest.raises(RuntimeError, match="out of memory on the simulated device: 11534336 bytes"):
-                state._sim_device_alloc(11 * MiB)
+                mm._testing.sim_device_alloc(state, 11 * MiB)
 
     assert _train(managed, apply_lora(managed), device, STEPS[:4], between) == ref
     stats = state.stats()

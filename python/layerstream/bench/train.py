@@ -116,11 +116,11 @@ class Trainer:
             return None
         from layerstream import manager_modules as mm
 
-        before = mm._decode_blocks()
+        before = mm._testing.decode_blocks()
         results = []
         try:
             for blocks in (int(b) for b in args.decode_blocks_sweep.split(",")):
-                mm._set_decode_blocks(blocks)
+                mm._testing.set_decode_blocks(blocks)
                 self.one_step()
                 times = [_timed(self.one_step, self.device)[1] for _ in range(args.steps)]
                 phases = self.phase_split(None)
@@ -130,7 +130,7 @@ class Trainer:
                       f"(min {min(times):.3f}); forward {phases['forward_s']:.3f} s, backward "
                       f"{phases['backward_s']:.3f} s", flush=True)
         finally:
-            mm._set_decode_blocks(before)
+            mm._testing.set_decode_blocks(before)
         return results
 
     def timeline(self, mode: str) -> dict | None:

@@ -1,0 +1,92 @@
+// TransferEngine (transfer_engine.h): resident layers, kept in device memory of their own instead of the
+// ring (the VRAM budget's choice), and how they give that memory back (eviction, memory pressure).
+#include "layerstream/transfer_engine.h"
+
+#include <vector>
+
+#include "layerstream/check.h"
+#include "transfer_engine_internal.h"
+
+namespace layerstream {
+
+bool TransferEngine::make_resident(LayerId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Layer& layer = layer_locked(id);
+  if (layer.resident.data() != nullptr) return true;
+  try {
+    layer.resident = DeviceBuffer(backend_, layer.block.bytes, options_.ring_allocator, h2d_.get());
+  } catch (const Error&) {
+    return false;  // out of device memory: the layer keeps streaming
+  }
+  try {
+    wait_derivation_on_h2d_locked(layer);
+    copy_in_locked(layer, layer.resident.data());
+    layer.copied.record(h2d_.get());
+  } catch (...) {
+    // Not resident: a copy that could not be issued leaves no memory that a fetch would serve. The memory
+    // goes back to an allocator that does not order it after H2D (drop_resident_locked), so the host waits
+    // for whatever part of the copy was enqueued first.
+    record_after_failed_copy_locked(layer, h2d_.get());
+    try {
+      layer.copied.synchronize();
+    } catch (...) {  // the device fails every call now: nothing it runs can still write the buffer
+    }
+    layer.resident.reset();
+    throw;
+  }
+  ++stats_.copies_h2d;
+  stats_.bytes_h2d += layer.block.bytes;
+  layer.resident_stale = false;
+  layer.resident_fill = detail::next_fill();
+  if (layer.leases == 0) discard_region_locked(layer);  // its ring copy is not needed any more
+  ++stats_.resident_layers;
+  stats_.resident_bytes += layer.block.bytes;
+  return true;
+}
+
+void TransferEngine::evict_resident(LayerId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Layer& layer = layer_locked(id);
+  check_not_in_use_locked(layer, id, "evict_resident");
+  drop_resident_locked(layer);
+}
+
+std::size_t TransferEngine::yield_resident(std::size_t want) {
+  std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return 0;
+  std::vector<Layer*> idle;
+  for (auto& [id, layer] : layers_) {
+    if (layer.resident.data() != nullptr && layer.leases == 0) idle.push_back(&layer);
+  }
+  // Largest first: the fewest layers go back to streaming for the bytes asked.
+  std::sort(idle.begin(), idle.end(), [](const Layer* a, const Layer* b) { return a->block.bytes > b->block.bytes; });
+  std::size_t freed = 0;
+  for (Layer* layer : idle) {
+    if (freed >= want) break;
+    freed += layer->block.bytes;
+    drop_resident_locked(*layer);
+  }
+  return freed;
+}
+
+bool TransferEngine::resident(LayerId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return layer_locked(id).resident.data() != nullptr;
+}
+
+void TransferEngine::drop_resident_locked(Layer& layer) {
+  if (layer.resident.data() == nullptr) return;
+  // The memory may go straight back to an allocator that does not synchronize: wait for every reader
+  // and for the copies into it first.
+  layer.resident_released.synchronize();
+  std::vector<Event> done;
+  layer.resident_released.move_events_to(done);
+  events_.give(done);
+  layer.copied.synchronize();
+  --stats_.resident_layers;
+  stats_.resident_bytes -= layer.block.bytes;
+  layer.resident.reset();
+  layer.resident_stale = false;
+}
+
+}  // namespace layerstream

@@ -1,0 +1,292 @@
+// DeviceState's policy (device_state.h): what each layer use teaches the access predictor and the VRAM
+// budget, the prefetch it leads to, which layers stay resident, and how resident copies give memory back
+// under pressure. The state's construction, its engine and its counters are in device_state.cc.
+#include "device_state.h"
+
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <algorithm>
+
+#include "layerstream/check.h"
+#include "layerstream/log.h"
+#include "layerstream/sim_backend.h"
+#include "layerstream/vram_budget.h"
+
+namespace layerstream::torchglue {
+
+namespace {
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+DeviceState::MemoryResolver& memory_resolver() {
+  static auto* r = new DeviceState::MemoryResolver();
+  return *r;
+}
+DeviceState::PeakWindowStarter& peak_window_starter() {
+  static auto* s = new DeviceState::PeakWindowStarter();
+  return *s;
+}
+
+}  // namespace
+
+void DeviceState::set_memory_resolver(MemoryResolver resolver, PeakWindowStarter start_peak_window) {
+  memory_resolver() = std::move(resolver);
+  peak_window_starter() = std::move(start_peak_window);
+}
+
+void DeviceState::note_use(LayerId layer, bool fresh_each_use) {
+  // A forward with grad enabled starts (or continues) a training step; a pass without grad (a sample, a
+  // frozen teacher inside a step) leaves the flag as it is.
+  if (at::GradMode::is_enabled() || GradForwardScope::active()) in_step_ = true;
+  const UseOutcome outcome = observe_and_prefetch(layer, fresh_each_use);
+  if (!outcome.prefetch_error.empty()) {
+    log_once("prefetch-failed", LogLevel::kWarning,
+             "layerstream: a copy ahead of need could not be issued (" + outcome.prefetch_error +
+                 "); such layers are copied when they are used instead, where an error that persists is raised");
+  }
+  // Logged outside mu_, as the plan's report below: a Python log sink takes the GIL.
+  if (!outcome.pressure_report.empty()) log(LogLevel::kWarning, outcome.pressure_report);
+  if (outcome.waits_for_training) {
+    log_once("vram-budget-waits-for-training", LogLevel::kInfo,
+             "layerstream VRAM budget: planned from the first training steps (a forward with grad enabled); "
+             "until then every layer streams");
+  }
+  if (!outcome.plan_now) return;
+  // Outside the lock: the resolver takes the GIL, and a thread holding the GIL may be waiting for mu_.
+  const DeviceMemoryView view = memory_view();
+  std::string report;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (engine_) report = apply_vram_budget_locked(view);
+  }
+  if (!report.empty()) log(view.limit == 0 ? LogLevel::kWarning : LogLevel::kInfo, report);
+}
+
+bool DeviceState::yield_for_pressure(std::size_t want, bool between_steps) {
+  std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+  if (!lock.owns_lock() || !engine_) return false;
+  const std::size_t freed = engine_->yield_resident(want);
+  if (freed == 0) return false;
+  ++pressure_yields_;
+  pressure_yielded_bytes_ += freed;
+  pressure_threshold_ = 0;  // until the next plan: nothing more to give back
+  gap_pressure_threshold_ = 0;
+  // A yield inside a step says the plan left too little; one between steps says nothing about the plan.
+  if (!pressure_pending_ || !between_steps) pressure_between_steps_ = between_steps;
+  pressure_pending_ = true;
+  return true;
+}
+
+void DeviceState::note_backward_pass() {
+  const int task = torch::autograd::get_current_graph_task_id();
+  if (task < 0 || step_task_.exchange(task) == task) return;
+  std::weak_ptr<DeviceState> weak = weak_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+    if (auto state = weak.lock()) {
+      state->in_step_ = false;
+      state->step_task_ = -1;
+    }
+  });
+}
+
+std::string DeviceState::replan_after_pressure_locked() {
+  const std::string given = detail::concat("layerstream: an allocation of this process found no room on ", describe(),
+                                           ": resident layers gave their memory back (",
+                                           pressure_yielded_bytes_.load() / kMiB, " MiB over ", pressure_yields_.load(),
+                                           " time(s) so far); they stream now");
+  if (!vram_budget_.enabled) return given;
+  // Plan again from the next training steps, whose peak now includes what asked for the memory (when it is
+  // still held); after a yield inside a step with more headroom each time, so that a process whose peak
+  // keeps growing does not yield at every step. A yield between steps (a sample, the user's tensors) keeps
+  // the headroom: the next plan measures the step again.
+  headroom_.after_yield(pressure_between_steps_.exchange(false));
+  recorder_.unplan();
+  planned_resident_.clear();
+  budget_room_ = 0;
+  const std::size_t least = ring_bytes_for(largest_attached_.load());
+  const bool shrink = !ring_fixed_ && engine_->ring_capacity() > least;
+  if (shrink) {  // the plan's deeper ring goes back to the least at the next call with no layer in use
+    planned_ring_bytes_ = least;
+    shrink_pending_ = true;
+  }
+  return detail::concat(given, "; the VRAM budget plans again from the next training steps with ",
+                        headroom_.permille() / 10, "% headroom",
+                        shrink ? detail::concat(", and the device ring goes back to ", least / kMiB, " MiB") : "");
+}
+
+void DeviceState::start_peak_window_locked() {
+  if (mode_ == Mode::kSim) {
+    static_cast<SimBackend&>(*pool_->backend).reset_device_peak();
+  } else if (peak_window_starter()) {
+    peak_window_starter()(*this);
+  }
+}
+
+DeviceMemoryView DeviceState::memory_view() {
+  DeviceMemoryView view;
+  if (mode_ == Mode::kSim) {
+    // The simulated card: its capacity (or the budget), and the most allocated on it since the window's start.
+    const std::size_t total = pool_->backend->device_memory_info().second;
+    view.limit = vram_budget_.automatic ? total : vram_budget_.bytes;
+    view.peak = static_cast<SimBackend&>(*pool_->backend).device_peak_bytes();  // since the window's start
+  } else if (memory_resolver()) {
+    view = memory_resolver()(*this, vram_budget_);
+  }
+  return view;
+}
+
+DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer, bool fresh_each_use) {
+  UseOutcome out;
+  if (!prefetch_ && !vram_budget_.enabled && !pressure_pending_) return out;
+  std::lock_guard<std::mutex> lock(mu_);  // also keeps the engine from being rebuilt meanwhile
+  if (!engine_) return out;
+  if (pressure_pending_.exchange(false)) out.pressure_report = replan_after_pressure_locked();
+  if (predictor_generation_ != generation_) {  // layer ids of an older engine mean nothing now
+    predictor_ = AccessPredictor();
+    predictor_generation_ = generation_;
+    fresh_each_use_.clear();
+    if (keep_plan_) {
+      recorder_.restart();
+    } else {
+      recorder_.unplan();  // a rebuilt engine: plan its layers again
+      planned_resident_.clear();
+    }
+    keep_plan_ = false;
+  }
+  if (fresh_each_use) {
+    fresh_each_use_.insert(layer);
+  } else {
+    fresh_each_use_.erase(layer);
+  }
+  predictor_.observe(layer);
+  if (vram_budget_.enabled) {
+    // An autograd function's forward runs with grad mode off: its caller says whether grad was on
+    // (GradForwardScope).
+    const bool training = at::GradMode::is_enabled() || GradForwardScope::active();
+    switch (recorder_.observe(layer, training, predictor_.stats().correct)) {
+      case BudgetRecorder::Outcome::kWaiting: out.waits_for_training = true; break;
+      case BudgetRecorder::Outcome::kStarted: start_peak_window_locked(); break;
+      case BudgetRecorder::Outcome::kPlanNow: out.plan_now = true; break;
+      default: break;
+    }
+  }
+  if (!prefetch_) return out;
+  const std::size_t budget = engine_->ring_capacity() / 3;
+  std::size_t planned = 0;
+  for (LayerId next : predictor_.predict(lookahead_layers_)) {
+    if (next == layer || fresh_each_use_.count(next) != 0) continue;
+    const std::optional<std::size_t> bytes = layer_bytes_locked(next, /*in_ring=*/true);
+    if (!bytes) break;  // that layer is gone (freed model): the prediction is stale
+    planned += *bytes;
+    if (planned > budget) break;
+    try {
+      engine_->prefetch(next);
+    } catch (const std::exception& e) {
+      // The engine left nothing of it in the ring; the layer's own fetch copies it (and raises what persists).
+      out.prefetch_error = e.what();
+      break;
+    }
+  }
+  return out;
+}
+
+void DeviceState::consider_residency(TransferEngine& engine, LayerId layer, std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!planned_resident_.empty() && planned_resident_.count(engine.host_block(layer).data) != 0) {
+    engine.make_resident(layer);  // the VRAM budget's plan, carried over a rebuild for its ring
+    return;
+  }
+  if (resident_budget_ == 0) return;
+  // The engine's own count: layers re-packed or removed give their share back by themselves.
+  if (engine.stats().resident_bytes + bytes > resident_budget_) return;
+  engine.make_resident(layer);  // false (no device room) leaves it streaming
+}
+
+std::optional<std::size_t> DeviceState::layer_bytes_locked(LayerId layer, bool in_ring) const {
+  try {
+    return in_ring ? engine_->device_bytes(layer) : engine_->host_block(layer).bytes;
+  } catch (const InvalidArgument&) {
+    return std::nullopt;  // no longer in the engine (its model was freed)
+  }
+}
+
+std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) {
+  if (view.limit == 0) return "LAYERSTREAM_VRAM_BUDGET is set but nothing reports device memory here; ignored";
+  const std::size_t ring = engine_->ring_capacity();
+  const BudgetHeadroom::Room room = headroom_.room_for(view.limit, view.peak, ring);
+  pressure_threshold_ = headroom_.threshold();
+  gap_pressure_threshold_ = headroom_.gap_threshold();
+  std::vector<LayerId> ids;
+  std::vector<std::size_t> sizes, footprints;  // copied and resident bytes; what each takes in the ring
+  std::unordered_map<LayerId, std::size_t> index;
+  std::size_t largest = 0;
+  for (LayerId id : recorder_.first_uses()) {
+    const std::optional<std::size_t> bytes = layer_bytes_locked(id, false);
+    const std::optional<std::size_t> in_ring = layer_bytes_locked(id, true);
+    if (bytes && in_ring) {  // nullopt: freed since
+      index.emplace(id, ids.size());
+      ids.push_back(id);
+      sizes.push_back(*bytes);
+      footprints.push_back(ring_footprint(*in_ring));
+      largest = std::max(largest, *in_ring);
+    }
+  }
+  std::vector<std::size_t> recorded;
+  for (LayerId id : recorder_.take_uses()) {
+    if (auto it = index.find(id); it != index.end()) recorded.push_back(it->second);
+  }
+  const BudgetPlan budget = plan_budget(sizes, footprints, one_step(recorded), room.room, ring, largest, ring_fixed_);
+  const RingPlan& plan = budget.ring;
+  budget_room_ = room.room > plan.ring_bytes ? room.room - plan.ring_bytes : 0;
+  budget_estimate_ = plan.copied_bytes;
+  // With a new ring the resident copies are made as the layers register with the rebuilt engine
+  // (consider_residency); with this one, now. Either way spread over the step (residency_plan.h):
+  // streamed copies then overlap resident layers' compute.
+  const bool rebuild = plan.ring_bytes != ring;
+  planned_ring_bytes_ = rebuild ? plan.ring_bytes : 0;
+  planned_resident_.clear();
+  std::size_t kept = 0, kept_bytes = 0, streamed = 0, not_copied = 0;
+  std::string copy_error;
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    bool keep = plan.resident[i];
+    if (keep && rebuild) {
+      planned_resident_.insert(engine_->host_block(ids[i]).data);
+    } else if (keep) {
+      try {
+        keep = engine_->make_resident(ids[i]);
+      } catch (const std::exception& e) {  // its copy could not be issued: it streams (and the plan goes on)
+        keep = false;
+        ++not_copied;
+        copy_error = e.what();
+      }
+    }
+    if (keep) {
+      ++kept;
+      kept_bytes += sizes[i];
+    } else {
+      ++streamed;
+    }
+  }
+  const std::string ring_note =
+      rebuild ? detail::concat("; the device ring grows from ", ring / kMiB, " to ", plan.ring_bytes / kMiB,
+                               " MiB at the next layer call (estimated copies per planned sequence ",
+                               budget.stay_copied / kMiB, " -> ", plan.copied_bytes / kMiB, " MiB)")
+              : std::string();
+  return detail::concat("layerstream VRAM budget on ", describe(), ": ", view.limit / kMiB, " MiB",
+                        vram_budget_.automatic ? " (auto)" : "", ", peak ", view.peak / kMiB,
+                        " MiB in the training step (from its first forward; what the process held before is not "
+                        "counted",
+                        view.held_since > 0 ? detail::concat("; ", view.held_since / kMiB,
+                                                             " MiB of it made after the step's own peak and still "
+                                                             "held, such as the optimizer's state")
+                                            : std::string(),
+                        "), ", headroom_.permille() / 10, "% headroom: ", kept, " layers (", kept_bytes / kMiB,
+                        " MiB) stay on the device, ", streamed, " stream", ring_note,
+                        not_copied > 0 ? detail::concat(" (", not_copied, " of them planned to stay, but their "
+                                                        "copy could not be issued: ", copy_error, ")")
+                                       : std::string());
+}
+
+}  // namespace layerstream::torchglue

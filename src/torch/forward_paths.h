@@ -1,0 +1,32 @@
+// The forward a managed layer gets, and the paths it dispatches to (layer_manager.h names them): the
+// streamed and cpu paths call the StreamedLayer's autograd function; the quantized path checks the packed
+// codes are current and calls its frozen forward; the generic path moves the weight as stored and lets its
+// library dequantize it; the OstrisLinear path is in ostris_layer.h. Every function here needs the GIL.
+#pragma once
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <memory>
+
+#include "device_state.h"
+#include "layer_manager.h"
+
+namespace layerstream::torchglue {
+
+namespace py = pybind11;
+
+// Upstream moved tensor-subclass weights to the CPU by replacing the whole Parameter (`.data =` does
+// not move a subclass's inner tensors). The generic path does the same.
+void move_params_to_cpu(const py::object& module);
+
+// Packs the layer's quantized weight (moved to the host first if it is elsewhere) and its bias; the
+// weight object's codes and scale become views of the arena block.
+void pack_quantized(const py::object& module, LayerManager& core);
+
+// The callable installed as the layer's forward (or as its ARA LoRA's org_forward). It holds the
+// StreamedLayer and the state, and weak references to the layer and to its manager object (no cycle).
+py::cpp_function make_forward(const py::object& module, const py::object& manager_obj,
+                              c10::intrusive_ptr<StreamedLayer> layer, std::shared_ptr<DeviceState> state,
+                              ForwardPath path, bool conv);
+
+}  // namespace layerstream::torchglue

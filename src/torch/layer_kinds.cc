@@ -1,0 +1,161 @@
+#include "layer_kinds.h"
+
+#include "packed_weight_glue.h"
+#include "py_torch.h"
+
+namespace layerstream::torchglue {
+
+bool is_plain(const py::handle& obj) {
+  if (obj.is_none()) return true;
+  py::object type = py::type::of(obj);
+  const py::object parameter_type = torch_module().attr("nn").attr("Parameter");
+  const py::object tensor_type = torch_module().attr("Tensor");
+  if (is_packed_weight(obj)) return true;  // its exact values, decoded
+  if (!type.is(parameter_type) && !type.is(tensor_type)) {
+    return false;
+  }
+  const at::Tensor t = obj.cast<at::Tensor>();
+  return t.layout() == at::kStrided && !t.is_quantized() && (t.is_cpu() || t.is_cuda());
+}
+
+namespace {
+
+std::vector<std::int64_t> pair_of(const py::object& v) {
+  if (py::isinstance<py::int_>(v)) {
+    const auto i = v.cast<std::int64_t>();
+    return {i, i};
+  }
+  return v.cast<std::vector<std::int64_t>>();
+}
+
+std::string type_name_of(const py::handle& obj) {
+  const py::object type = py::type::of(obj);
+  return type.attr("__module__").cast<std::string>() + "." + type.attr("__name__").cast<std::string>();
+}
+
+// torchao 0.10 to 0.1x's float8 weight-only layout (Float8WeightOnlyConfig, which AI-Toolkit's quantize()
+// applies for qtype float8): an AffineQuantizedTensor whose Float8AQTTensorImpl holds `float8_data` (out,
+// in) and `scale`, one per row ([out], block_size (1, in)) or one for the tensor (block_size the shape),
+// no zero point. Its dequantize() is codes.to(dtype) * scale in the promoted dtype (0.10), later
+// (codes.to(float32) * scale).to(dtype); a float8 code (at most 4 significant bits) times a float32,
+// float16 or bfloat16 scale is exact in float32, so both round once to the same value as float32 math.
+bool torchao_affine_float8(const py::object& w, QuantSource& q) {
+  if (!py::hasattr(w, "tensor_impl") || !py::hasattr(w, "block_size")) return false;
+  const py::object impl = w.attr("tensor_impl");
+  const py::object impl_type = py::type::of(impl);
+  if (impl_type.attr("__name__").cast<std::string>() != "Float8AQTTensorImpl") return false;
+  const py::object transposed = py::getattr(impl, "transposed", py::none());
+  if (!transposed.is_none() && transposed.cast<bool>()) return false;  // codes stored (in, out)
+  const py::object domain = py::getattr(w, "zero_point_domain", py::none());
+  if (!domain.is_none() && py::str(py::getattr(domain, "name", domain)).cast<std::string>() != "NONE") return false;
+  if (!py::hasattr(impl, "float8_data") || !py::hasattr(impl, "scale")) return false;
+  const at::Tensor codes = impl.attr("float8_data").cast<at::Tensor>();
+  const auto block = w.attr("block_size").cast<std::vector<std::int64_t>>();
+  if (codes.dim() < 1 || block.size() != static_cast<std::size_t>(codes.dim())) return false;
+  for (std::int64_t d = 1; d < codes.dim(); ++d) {
+    if (block[d] != codes.size(d)) return false;  // block-wise scales within a row
+  }
+  if (block[0] != 1 && block[0] != codes.size(0)) return false;
+  q.library = "torchao";
+  q.holder = impl;
+  q.holder_attr = "tensor_impl";
+  q.codes_attr = "float8_data";
+  q.scale_attr = "scale";
+  return true;
+}
+
+}  // namespace
+
+bool conv_is_plain(const py::object& module) {
+  return !py::isinstance<py::str>(module.attr("padding")) &&
+         py::getattr(module, "padding_mode", py::str("zeros")).cast<std::string>() == "zeros";
+}
+
+ConvParams conv_params_of(const py::object& module) {
+  ConvParams p;
+  p.stride = pair_of(module.attr("stride"));
+  p.padding = pair_of(module.attr("padding"));
+  p.dilation = pair_of(module.attr("dilation"));
+  p.groups = module.attr("groups").cast<std::int64_t>();
+  return p;
+}
+
+bool needs_dequantize(const py::object& w) {
+  if (py::getattr(w, "is_quantized", py::bool_(false)).cast<bool>()) return true;
+  const std::string mod = py::type::of(w).attr("__module__").cast<std::string>();
+  if (mod.rfind("torchao", 0) == 0) return true;
+  return !w.attr("dtype").attr("is_floating_point").cast<bool>();
+}
+
+// optimum-quanto WeightQBytesTensor (0.2.5 on) or QBytesTensor (0.2.4, AI-Toolkit's pin), qfloat8
+// e4m3/e5m2 and qint8: dequantize() = scale * codes.to(scale dtype). torchao Float8Tensor, weight-only:
+// dequantize() = (codes.to(float32) * scale).to(dtype); torchao's AffineQuantizedTensor float8 above.
+std::optional<QuantSource> quant_source_of(const py::object& w) {
+  if (w.is_none()) return std::nullopt;
+  const py::object type = py::type::of(w);
+  const std::string name = type.attr("__name__").cast<std::string>();
+  const std::string mod = type.attr("__module__").cast<std::string>();
+  QuantSource q;
+  if (mod.rfind("optimum.quanto", 0) == 0 && (name == "WeightQBytesTensor" || name == "QBytesTensor")) {
+    const py::object axis = py::getattr(w, "axis", py::int_(0));
+    if (!axis.is_none() && axis.cast<int>() != 0) return std::nullopt;
+    q.library = "optimum-quanto";
+    q.holder = w;
+    q.codes_attr = "_data";
+    q.scale_attr = "_scale";
+  } else if (mod.rfind("torchao", 0) == 0 && name == "Float8Tensor") {
+    if (!py::getattr(w, "act_quant_kwargs", py::none()).is_none()) return std::nullopt;  // not weight-only
+    q.library = "torchao";
+    q.holder = w;
+    q.codes_attr = "qdata";
+    q.scale_attr = "scale";
+  } else if (mod.rfind("torchao", 0) == 0 && name == "AffineQuantizedTensor") {
+    if (!torchao_affine_float8(w, q)) return std::nullopt;
+  } else {
+    return std::nullopt;
+  }
+  if (!py::hasattr(q.holder, q.codes_attr.c_str()) || !py::hasattr(q.holder, q.scale_attr.c_str())) return std::nullopt;
+  q.codes = q.holder.attr(q.codes_attr.c_str()).cast<at::Tensor>();
+  q.scale = q.holder.attr(q.scale_attr.c_str()).cast<at::Tensor>();
+  q.scale_sizes = q.scale.sizes().vec();
+  if (q.codes.dim() > 1 && q.scale.dim() == 1 && q.scale.numel() == q.codes.size(0) && q.scale.numel() > 1) {
+    std::vector<std::int64_t> per_row(q.codes.dim(), 1);
+    per_row[0] = q.codes.size(0);
+    q.scale = q.scale.view(per_row);  // [out] as [out, 1, ...]
+  }
+  // Other groupings (block-wise scales) and code types take the generic path.
+  if (!quantized_layout_supported(q.codes, q.scale)) return std::nullopt;
+  if (q.library == "torchao") {
+    q.math = at::kFloat;
+    q.result = w.cast<at::Tensor>().scalar_type();
+  } else {
+    q.math = q.result = q.scale.scalar_type();
+  }
+  if (!is_real_dtype(q.result)) return std::nullopt;
+  return q;
+}
+
+// optimum-quanto turns a frozen qfloat8 (e4m3) weight that reaches a GPU of compute capability 8 or more
+// into a MarlinF8QBytesTensor: its codes packed into int32 and reordered, its scale permuted, for the
+// Marlin kernel. Moved to the host, as attach does with every weight (quanto's own `.to`), it becomes the
+// WeightQBytesTensor it came from: codes (out, in) and a scale per row, which stream natively. Its
+// dequantize() is the same product as that one's, element by element.
+bool is_quanto_marlin(const py::object& w) {
+  if (w.is_none()) return false;
+  const py::object type = py::type::of(w);
+  return type.attr("__name__").cast<std::string>() == "MarlinF8QBytesTensor" &&
+         type.attr("__module__").cast<std::string>().rfind("optimum.quanto", 0) == 0;
+}
+
+// Whether the weight streams natively once it is on the host.
+bool streams_quantized(const py::object& w) { return quant_source_of(w).has_value() || is_quanto_marlin(w); }
+
+std::string describe_weight(const py::object& w) {
+  std::string kind = type_name_of(w);
+  if (py::hasattr(w, "tensor_impl")) kind += " with " + type_name_of(w.attr("tensor_impl"));
+  if (py::hasattr(w, "block_size")) kind += ", block_size " + py::str(w.attr("block_size")).cast<std::string>();
+  if (py::hasattr(w, "dtype")) kind += ", dtype " + py::str(w.attr("dtype")).cast<std::string>();
+  return kind;
+}
+
+}  // namespace layerstream::torchglue
