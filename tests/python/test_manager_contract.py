@@ -122,7 +122,7 @@ def test_the_namespace_is_ai_toolkits_with_layerstreams_own_and_the_test_hooks_a
 def test_the_older_stats_names_read_the_same_counters(engine, device):
     layer = torch.nn.Linear(16, 8)
     mm.LinearLayerMemoryManager.attach(layer, Manager(device))
-    layer(torch.randn(2, 16))
+    layer(torch.randn(2, 16, device=device))
     for stats in (mm._DEVICE_STATE[device].stats(), mm.stats()):
         assert stats["pinned_bytes"] == stats["host_bytes_pinned"]
         assert stats["ring_bytes"] == stats["ring_capacity"]
