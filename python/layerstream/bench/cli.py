@@ -189,10 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         # Before cuBLAS starts (its workspace setting is read at its first handle); the children of `--mode all`
         # get the flag in their argv and the variable through the environment.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        # cuDNN's and the memory-efficient attention keep their nondeterministic backward unless the flag is strict
-        # (seen on the H200: "cuDNN Attention defaults to a non-deterministic algorithm"); flash attention and the
-        # math path follow the flag.
+        # Strict: under warn_only the attention backends keep their nondeterministic backward (seen on the H200:
+        # "cuDNN Attention defaults to a non-deterministic algorithm", then the same of Flash Attention, and two
+        # all-resident runs of the flow gave different losses). An op with no deterministic kernel raises.
+        torch.use_deterministic_algorithms(True)
         torch.backends.cuda.enable_cudnn_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
     runs = sweep.jobs(args.modes, args.stock_sweep)
