@@ -14,8 +14,9 @@ layerstream.bench runs them.
 Each (qtype, mode) runs in a process of its own (peak VRAM and peak RSS are per-process high-water marks)
 and reports s/step, peak VRAM, peak RSS, pinned host bytes, the bytes over the bus per step (layerstream's
 engine counters; for stock, the CPU buffers its OstrisLinear manager stages at each call, counted at the call)
-and the losses: both modes run the layer's own forward on the same buffers and the same inputs, so they agree
-bitwise unless one of them is wrong.
+and the losses: both modes run the layer's own forward on the same buffers and the same inputs, so with
+--deterministic they agree bitwise unless one of them is wrong (without it attention's backward accumulates
+in a nondeterministic order on the GPU, and two runs of the same mode differ after the first step).
 
   python benchmarks/ostris_bench.py --qtypes uint4,convrot8,nvfp4,orbit4,orbitvq4 --cap-gb 24 \\
       --aitk-dir /path/to/ai-toolkit --md-out ostris.md --json-out ostris.json
@@ -42,6 +43,7 @@ from torch import nn
 from layerstream.aitk import import_toolkit, load_memory_management
 from layerstream.bench import DTYPE, GiB, PRESETS, FluxShapedTransformer, apply_lora, peak_rss_bytes, stock_pinned_bytes
 from layerstream.bench.cli import _strip_options
+from layerstream.bench.measure import use_deterministic_kernels
 
 MODES = ("stock", "layerstream")
 
@@ -196,7 +198,7 @@ def _fmt(value, scale: float = 1.0, digits: int = 2) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| qtype | mode | s/step mean (min) | peak VRAM GiB alloc / reserved | peak RSS GiB | pinned GiB "
-             "| stored GiB | GiB/step over bus | losses = stock's |",
+             "| stored GiB | GiB/step over bus | losses = stock's (bitwise only with --deterministic) |",
              "|---|---|---|---|---|---|---|---|---|"]
     stock = {r["qtype"]: r for r in rows if r["mode"] == "stock" and r["status"] == "ok"}
     for r in rows:
@@ -231,6 +233,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic kernels (layerstream.bench.measure.use_deterministic_kernels), so that the "
+                             "losses can be compared with stock's bitwise")
     parser.add_argument("--json-out")
     parser.add_argument("--md-out")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -267,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if args.deterministic:  # the children get the flag in their argv
+        use_deterministic_kernels()
     if args.child:
         torch.manual_seed(args.seed)
         row = run_one(args, args.qtype_list[0], args.mode_list[0], device)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -44,7 +43,7 @@ from pathlib import Path
 import torch
 
 from . import sweep
-from .measure import GiB, measure_h2d_bytes_per_s
+from .measure import GiB, measure_h2d_bytes_per_s, use_deterministic_kernels
 from .presets import PRESETS, preset_weight_bytes
 from .quant import QTYPES
 from .report import add_floors, reference_row, report
@@ -185,16 +184,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     reference = None if args.child else reference_row(args.reference_json)  # before the runs: fail fast
-    if args.deterministic:
-        # Before cuBLAS starts (its workspace setting is read at its first handle); the children of `--mode all`
-        # get the flag in their argv and the variable through the environment.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        # Strict: under warn_only the attention backends keep their nondeterministic backward (seen on the H200:
-        # "cuDNN Attention defaults to a non-deterministic algorithm", then the same of Flash Attention, and two
-        # all-resident runs of the flow gave different losses). An op with no deterministic kernel raises.
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cuda.enable_cudnn_sdp(False)
-        torch.backends.cuda.enable_mem_efficient_sdp(False)
+    if args.deterministic:  # the children of `--mode all` get the flag in their argv
+        use_deterministic_kernels()
     runs = sweep.jobs(args.modes, args.stock_sweep)
     if len(runs) > 1 or args.stock_sweep:
         rows = run_all(argv, runs)

@@ -48,6 +48,18 @@ class _Nvml:
         return value.value
 
 
+def use_deterministic_kernels() -> None:
+    """Deterministic kernels, so that two runs' losses can be compared bitwise. Strict: under warn_only the
+    attention backends keep their nondeterministic backward (seen on the H200: "cuDNN Attention defaults to a
+    non-deterministic algorithm", then the same of Flash Attention, and two all-resident runs of AI-Toolkit's flow
+    gave different losses); an op with no deterministic kernel raises. CUBLAS_WORKSPACE_CONFIG is set before
+    cuBLAS starts (it reads it at its first handle); children inherit it through the environment."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+
+
 def reset_peak_rss() -> bool:
     """Start the peak resident set size again from the current one (Linux: "5" to /proc/self/clear_refs resets
     VmHWM), so that peak_rss_bytes() tells the peak from here on. False where the platform cannot."""
