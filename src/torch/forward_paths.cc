@@ -143,10 +143,10 @@ py::cpp_function make_forward(const py::object& module, const py::object& manage
       case ForwardPath::kUnset:
         break;
     }
-    if (layer->lossless_takes_weight() || is_packed_weight(param_of(module, "weight"))) {
-      sync_packed_weight(module, *layer);
-    }
-    const at::Tensor weight = param_of(module, "weight").cast<at::Tensor>();
+    // The Parameter object stays the same through sync_packed_weight (its contents are swapped in place).
+    const py::object weight_obj = param_of(module, "weight");
+    if (layer->lossless_takes_weight() || is_packed_weight(weight_obj)) sync_packed_weight(module, *layer);
+    const at::Tensor weight = weight_obj.cast<at::Tensor>();
     const at::Tensor bias = tensor_or_undefined(param_of(module, "bias"));
     return py::cast(layer->forward(x.cast<at::Tensor>(), weight, bias));
   });

@@ -60,23 +60,12 @@ def use_deterministic_kernels() -> None:
     torch.backends.cuda.enable_mem_efficient_sdp(False)
 
 
-def reset_peak_rss() -> bool:
-    """Start the peak resident set size again from the current one (Linux: "5" to /proc/self/clear_refs resets
-    VmHWM), so that peak_rss_bytes() tells the peak from here on. False where the platform cannot."""
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-        return True
-    except OSError:
-        return False
+# The process's peak resident set size when reset_peak_rss() last started VmHWM again (None: never reset).
+_peak_before_reset: int | None = None
 
 
-def peak_rss_bytes() -> int | None:
-    """Peak resident set size of this process.
-
-    VmHWM first: the kernel tracks the true peak there. psutil has no peak RSS on Linux (memory_info().rss is
-    the current value), so it is only the fallback elsewhere (peak_wset on Windows).
-    """
+def _vm_hwm() -> int | None:
+    """VmHWM, the kernel's own peak of this process's resident set (Linux), in bytes."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
@@ -84,6 +73,38 @@ def peak_rss_bytes() -> int | None:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Start the kernel's peak resident set size again from the current one (Linux: "5" to /proc/self/clear_refs
+    resets VmHWM), so that peak_rss_since_reset_bytes() tells the peak from here on; peak_rss_bytes() still
+    tells the process's. False where the platform cannot."""
+    global _peak_before_reset
+    before = _vm_hwm()
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        return False
+    _peak_before_reset = max(before or 0, _peak_before_reset or 0)
+    return True
+
+
+def peak_rss_since_reset_bytes() -> int | None:
+    """The peak resident set size since the last reset_peak_rss() (None where there was none)."""
+    return _vm_hwm() if _peak_before_reset is not None else None
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak resident set size of this process, resets of VmHWM included.
+
+    VmHWM first: the kernel tracks the true peak there. psutil has no peak RSS on Linux (memory_info().rss is
+    the current value), so it is only the fallback elsewhere (peak_wset on Windows).
+    """
+    hwm = _vm_hwm()
+    if hwm is not None:
+        return max(hwm, _peak_before_reset or 0)
     try:
         import psutil
     except ImportError:

@@ -13,7 +13,7 @@ import torch
 
 from .counting import StockCopyCounter, layerstream_stats, managed_tensors, stock_pinned_bytes
 from .lora import apply_lora
-from .measure import GiB, peak_rss_bytes, reset_peak_rss
+from .measure import GiB, peak_rss_bytes, peak_rss_since_reset_bytes, reset_peak_rss
 from .presets import DTYPE, PRESETS, build_model
 from .quant import quantize_model
 from .train import Steps, Trainer
@@ -71,7 +71,7 @@ def _build(args, mode: str, cfg, weight_bytes: int, device: torch.device):
 
 def _place(args, mode: str, package, model, device: torch.device):
     """The model on the device (resident) or attached, as AI-Toolkit's flow places it, and the LoRA applied:
-    (network, seconds)."""
+    (network, seconds in all, seconds of the attach or the resident move alone)."""
     t0 = time.perf_counter()
     if args.aitk_flow and device.type == "cuda":
         # AI-Toolkit's flow (extensions_built_in/diffusion_models/flux2/flux2_model.py): the transformer goes to
@@ -82,7 +82,7 @@ def _place(args, mode: str, package, model, device: torch.device):
         del encoder
     # Host memory from here on: what the placement and the training hold (the build's own peak, the weights made
     # on the host before the flow moves them to the GPU, is not the manager's).
-    rss = {"peak_rss_before_attach_bytes": peak_rss_bytes(), "rss_reset": reset_peak_rss()}
+    reset_peak_rss()
     t_attach = time.perf_counter()
     if package is None:
         model.to(device)
@@ -94,7 +94,7 @@ def _place(args, mode: str, package, model, device: torch.device):
     place_s = time.perf_counter() - t0
     print(f"[{mode}] placed the model and applied LoRA in {place_s:.1f} s (attach or move: {attach_s:.1f} s)",
           flush=True)
-    return network, place_s, dict(rss, attach_s=attach_s)
+    return network, place_s, attach_s
 
 
 def run_mode(args, mode: str, device: torch.device) -> dict:
@@ -153,7 +153,7 @@ def _run_mode(args, mode: str, device: torch.device) -> dict:
         # the timed steps.
         counters = stock_counter.stats if stock_counter is not None else (
             layerstream_stats if mode == "layerstream" else None)
-        network, place_s, placement = _place(args, mode, package, model, device)
+        network, place_s, attach_s = _place(args, mode, package, model, device)
         if cap is not None:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
@@ -175,22 +175,16 @@ def _run_mode(args, mode: str, device: torch.device) -> dict:
         "step_times_s": steps.times, "losses": steps.losses, "weight_bytes": weight_bytes,
         "managed_bytes": None, "lora_params": sum(p.numel() for p in network.parameters()), "build_s": build_s,
         "place_s": place_s, "peak_vram_allocated_bytes": None, "peak_vram_reserved_bytes": None,
-        "peak_rss_bytes": _max_known(peak_rss_bytes(), placement["peak_rss_before_attach_bytes"]),
-        "pinned_bytes": None, "pinned_bytes_exact": None, "bytes_per_step": None, "engine_stats": None, "joules_per_step": steps.joules_per_step,
-        "timeline": timeline, "phases": phases, "aitk_flow": bool(args.aitk_flow),
-        "attach_s": placement["attach_s"], "peak_rss_before_attach_bytes": placement["peak_rss_before_attach_bytes"],
+        "peak_rss_bytes": peak_rss_bytes(), "pinned_bytes": None, "pinned_bytes_exact": None,
+        "bytes_per_step": None, "engine_stats": None, "joules_per_step": steps.joules_per_step,
+        "timeline": timeline, "phases": phases, "aitk_flow": bool(args.aitk_flow), "attach_s": attach_s,
         # The peak from the attach on (None where the platform cannot reset the peak: then peak_rss_bytes only).
-        "peak_rss_from_attach_bytes": peak_rss_bytes() if placement["rss_reset"] else None,
+        "peak_rss_from_attach_bytes": peak_rss_since_reset_bytes(),
     }
     if sweep is not None:
         row["decode_blocks_sweep"] = sweep
     _add_memory_and_bytes(row, mode, model, device, steps)
     return row
-
-
-def _max_known(*values):
-    known = [v for v in values if v is not None]
-    return max(known) if known else None
 
 
 def _add_memory_and_bytes(row: dict, mode: str, model, device: torch.device, steps: Steps) -> None:
