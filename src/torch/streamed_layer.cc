@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -276,6 +277,19 @@ bool quantized_layout_supported(const at::Tensor& codes, const at::Tensor& scale
          codes.numel() > 0 && per_row_or_single(scale.sizes(), codes.sizes());
 }
 
+namespace {
+std::mutex g_pack_times_mu;
+LosslessPackTimes g_pack_times;  // guarded by g_pack_times_mu
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+LosslessPackTimes lossless_pack_times() {
+  std::lock_guard<std::mutex> lock(g_pack_times_mu);
+  return g_pack_times;
+}
+
 HostMemoryCounts host_memory_counts() {
   HostMemoryCounts c;
   c.pinned_packed = g_pinned_packed.load();
@@ -443,9 +457,14 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias, bool 
   // The table first (one pass over the values); the encoder then writes straight into the arena block.
   at::Tensor exact;
   std::optional<LosslessSpec> spec;
+  LosslessPackTimes times;
   if (lossless_takes && frozen) {
+    auto t0 = std::chrono::steady_clock::now();
     exact = values.detach().to(at::kCPU).contiguous();
+    times.copy_s = seconds_since(t0);
+    t0 = std::chrono::steady_clock::now();
     spec = lossless_plan(static_cast<const std::uint16_t*>(exact.data_ptr()), static_cast<std::size_t>(exact.numel()));
+    times.table_s = seconds_since(t0);
     if (spec->bytes() >= exact.nbytes()) spec.reset();
   }
   const bool to_lossless = spec.has_value();
@@ -504,7 +523,17 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias, bool 
   // Frozen blocks may be shared between the ranks of the host; a trainable one is written by its optimizer.
   const bool shareable = !weight.requires_grad() && !(bias.defined() && bias.requires_grad());
   const std::size_t packed_part = compress ? w.bytes + (q && q->scale.defined ? align_up(q->scale.bytes) : 0) : 0;
+  const auto t_block = std::chrono::steady_clock::now();
   auto block = new_block(parts, views, shareable, packed_part, encode);
+  if (to_lossless) {
+    times.block_s = seconds_since(t_block);
+    std::lock_guard<std::mutex> timing(g_pack_times_mu);
+    g_pack_times.weights += 1;
+    g_pack_times.bytes_in += static_cast<std::int64_t>(exact.nbytes());
+    g_pack_times.copy_s += times.copy_s;
+    g_pack_times.table_s += times.table_s;
+    g_pack_times.block_s += times.block_s;
+  }
 
   // Swap the Parameters' data (identity kept), then remember what they must look like. A compressed
   // weight's Parameter keeps its exact values outside the arena: pageable host memory (a lossless one
@@ -512,7 +541,8 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias, bool 
   g_pageable -= pageable_;
   pageable_ = 0;
   if (compress) {
-    if (!weight.is_cpu()) at::Tensor(weight).set_data(weight.detach().to(at::kCPU));
+    // A lossless weight's host copy is `exact` (made above from these values): no second copy from the GPU.
+    if (!weight.is_cpu()) at::Tensor(weight).set_data(exact.defined() ? exact : weight.detach().to(at::kCPU));
     if (!is_python_tensor(weight)) pageable_ = static_cast<std::int64_t>(weight.nbytes());
   } else if (!tied) {
     LS_CHECK_ARG(!is_python_tensor(weight),

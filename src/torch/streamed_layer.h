@@ -76,6 +76,17 @@ struct HostMemoryCounts {
 };
 HostMemoryCounts host_memory_counts();
 
+// Where the time of lossless packing at attach goes, summed over the process (for the benchmark: attach time
+// is what users see at every start): copying the weight to ordinary host memory (from the GPU when the model
+// was placed there), building the table (a pass over the values), and the arena block (its allocation and
+// the encode into it).
+struct LosslessPackTimes {
+  std::int64_t weights = 0;
+  std::int64_t bytes_in = 0;
+  double copy_s = 0, table_s = 0, block_s = 0;
+};
+LosslessPackTimes lossless_pack_times();
+
 class StreamedLayer : public torch::CustomClassHolder {
  public:
   // Where one tensor of the layer lies in its arena block, and which tensor it was packed from.

@@ -67,6 +67,21 @@ void bind_codecs(py::module_& t) {
   t.def("set_lossless_threads", &lossless_set_threads, py::arg("threads"),
         "Sets how many threads the host's lossless encoder runs on (0: one per core, the default); its output "
         "is the same for any number. For benchmarks and tests.");
+  t.def(
+      "lossless_pack_times",
+      [] {
+        const LosslessPackTimes t = lossless_pack_times();
+        py::dict d;
+        d["weights"] = t.weights;
+        d["bytes_in"] = t.bytes_in;
+        d["copy_s"] = t.copy_s;
+        d["table_s"] = t.table_s;
+        d["block_s"] = t.block_s;
+        return d;
+      },
+      "Where the time of packing weights losslessly went, summed over the process: the weights packed, their "
+      "bytes, and seconds copying them to ordinary host memory, building their tables, and allocating and "
+      "encoding their arena blocks.");
   t.def("decode_blocks", &decode_blocks,
         "The most thread blocks a lossless decode on the derive stream uses (LAYERSTREAM_DECODE_BLOCKS; 0: no "
         "limit).");
