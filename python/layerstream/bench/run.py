@@ -90,7 +90,7 @@ def _place(args, mode: str, package, model, device: torch.device):
         print(f"[{mode}] attaching AI-Toolkit's MemoryManager to the model ...", flush=True)
         attach_manager(package, model, device, args.offload_percent, args.seed)
     attach_s = time.perf_counter() - t_attach
-    pack = _lossless_pack_times(package) if mode == "layerstream" else None
+    pack = _lossless_pack_times() if mode == "layerstream" else None
     if pack and pack["weights"]:
         print(f"[{mode}] lossless packing at attach: {pack['weights']} weights, {pack['bytes_in'] / GiB:.2f} GiB: "
               f"{pack['copy_s']:.1f} s copying to host memory, {pack['table_s']:.1f} s building tables, "
@@ -102,10 +102,14 @@ def _place(args, mode: str, package, model, device: torch.device):
     return network, place_s, attach_s
 
 
-def _lossless_pack_times(package) -> dict | None:
+def _lossless_pack_times() -> dict | None:
     """layerstream's summed times of lossless packing so far (None for a build without the hook)."""
-    testing = getattr(getattr(package, "manager_modules", None), "_testing", None)
-    return testing.lossless_pack_times() if testing is not None and hasattr(testing, "lossless_pack_times") else None
+    try:
+        from layerstream import manager_modules
+
+        return dict(manager_modules._testing.lossless_pack_times())
+    except Exception:  # an older build, or the module not built: no figure, not a failed run
+        return None
 
 
 def run_mode(args, mode: str, device: torch.device) -> dict:
@@ -191,7 +195,7 @@ def _run_mode(args, mode: str, device: torch.device) -> dict:
         "timeline": timeline, "phases": phases, "aitk_flow": bool(args.aitk_flow), "attach_s": attach_s,
         # The peak from the attach on (None where the platform cannot reset the peak: then peak_rss_bytes only).
         "peak_rss_from_attach_bytes": peak_rss_since_reset_bytes(),
-        "lossless_pack_times": _lossless_pack_times(package) if mode == "layerstream" else None,
+        "lossless_pack_times": _lossless_pack_times() if mode == "layerstream" else None,
     }
     if sweep is not None:
         row["decode_blocks_sweep"] = sweep
