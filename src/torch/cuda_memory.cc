@@ -22,13 +22,15 @@ namespace {
 
 namespace alloc = c10::cuda::CUDACachingAllocator;
 
-// Bytes the process has asked of the allocator and not freed yet, and their most since the window's start,
-// per device. `on`: counting (a window was started); before that the tracker returns at once.
+// Bytes the process has asked of the allocator and not freed yet, per device, and the training steps' peaks
+// since the window's start (StepPeaks). `on`: counting (a window was started); before that the tracker
+// returns at once. `mu` is a leaf lock: taken inside the allocator's trace callback (under the allocator's
+// own lock), and nothing is asked of the allocator while it is held.
 struct PeakWindow {
   std::atomic<bool> on{false};
-  std::atomic<std::int64_t> start{0};  // live when the window began
-  std::atomic<std::int64_t> live{0};
-  std::atomic<std::int64_t> peak{0};
+  std::mutex mu;
+  std::int64_t live = 0;  // guarded by mu
+  StepPeaks steps;        // guarded by mu
 };
 constexpr int kMostDevices = 64;
 std::array<PeakWindow, kMostDevices>& windows() {
@@ -39,20 +41,23 @@ std::array<PeakWindow, kMostDevices>& windows() {
 // The allocator's statistics are arrays over pool types; the first is the aggregate of all of them.
 constexpr std::size_t kAggregate = 0;
 
+std::size_t non_negative(std::int64_t v) { return static_cast<std::size_t>(std::max<std::int64_t>(v, 0)); }
+
 void on_trace(const alloc::TraceEntry& entry) {
   const int device = entry.device_;
   if (device < 0 || device >= kMostDevices) return;
   PeakWindow& w = windows()[device];
   if (!w.on.load(std::memory_order_relaxed)) return;
   const auto size = static_cast<std::int64_t>(entry.size_);
+  std::lock_guard<std::mutex> lock(w.mu);
   if (entry.action_ == alloc::TraceEntry::ALLOC) {
-    const std::int64_t now = w.live.fetch_add(size) + size;
-    std::int64_t seen = w.peak.load();
-    while (now > seen && !w.peak.compare_exchange_weak(seen, now)) {
-    }
+    w.live += size;
   } else if (entry.action_ == alloc::TraceEntry::FREE_COMPLETED) {
-    w.live.fetch_sub(size);
+    w.live -= size;
+  } else {
+    return;
   }
+  w.steps.on_live(non_negative(w.live));
 }
 
 void on_out_of_memory(int64_t device, size_t alloc, size_t allowed, size_t free);  // below
@@ -68,10 +73,24 @@ void start_window(DeviceState& state) {
   PeakWindow& w = windows()[index];
   // requested_bytes counts what ALLOC and FREE_COMPLETED carry (the sizes asked, before rounding).
   const auto now = static_cast<std::int64_t>(alloc::getDeviceStats(index).requested_bytes[kAggregate].current);
-  w.start = now;
+  std::lock_guard<std::mutex> lock(w.mu);
   w.live = now;
-  w.peak = now;
+  w.steps.start(non_negative(now), state.step_began_at_this_use());
   w.on = true;
+}
+
+// A training step of `state`'s device began (its first forward with grad) or ended (its backward finished).
+void mark_step(DeviceState& state, bool started) {
+  const c10::DeviceIndex index = state.device().index();
+  if (index < 0 || index >= kMostDevices) return;
+  PeakWindow& w = windows()[index];
+  if (!w.on.load(std::memory_order_relaxed)) return;
+  std::lock_guard<std::mutex> lock(w.mu);
+  if (started) {
+    w.steps.step_started(non_negative(w.live));
+  } else {
+    w.steps.step_ended();
+  }
 }
 
 // Free memory an allocation could still get on `index`: the driver's free memory plus what torch caches
@@ -99,11 +118,10 @@ DeviceMemoryView cuda_memory_view(DeviceState& state, const VramBudget& budget) 
   const c10::DeviceIndex index = state.device().index();
   DeviceMemoryView view;
   if (index >= 0 && index < kMostDevices && windows()[index].on) {
-    const PeakWindow& w = windows()[index];
-    const auto bytes = [](std::int64_t v) { return static_cast<std::size_t>(std::max<std::int64_t>(v, 0)); };
-    const std::size_t window_peak = bytes(w.peak.load());
-    view.peak = steady_peak(window_peak, bytes(w.start.load()), bytes(w.live.load()));
-    view.held_since = view.peak - window_peak;
+    PeakWindow& w = windows()[index];
+    std::lock_guard<std::mutex> lock(w.mu);
+    view.peak = w.steps.predicted();
+    view.held_since = w.steps.held_since_start();
   } else {  // no window yet (a plan before any training forward cannot happen; kept for safety)
     view.peak = static_cast<std::size_t>(alloc::getDeviceStats(index).requested_bytes[kAggregate].peak);
   }
@@ -162,7 +180,7 @@ void on_out_of_memory(int64_t device, size_t /*alloc*/, size_t /*allowed*/, size
 }  // namespace
 
 void install_cuda_memory_probe() {
-  DeviceState::set_memory_resolver(&cuda_memory_view, &start_window);
+  DeviceState::set_memory_resolver(&cuda_memory_view, &start_window, &mark_step);
 }
 
 }  // namespace layerstream::torchglue
