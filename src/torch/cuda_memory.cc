@@ -122,6 +122,7 @@ DeviceMemoryView cuda_memory_view(DeviceState& state, const VramBudget& budget) 
     std::lock_guard<std::mutex> lock(w.mu);
     view.peak = w.steps.predicted();
     view.held_since = w.steps.held_since_start();
+    view.gap_peak = w.steps.predicted_gap();
   } else {  // no window yet (a plan before any training forward cannot happen; kept for safety)
     view.peak = static_cast<std::size_t>(alloc::getDeviceStats(index).requested_bytes[kAggregate].peak);
   }

@@ -101,8 +101,9 @@ void DeviceState::note_backward_pass() {
 }
 
 std::string DeviceState::replan_after_pressure_locked() {
-  const std::string given = detail::concat("layerstream: an allocation of this process found no room on ", describe(),
-                                           ": resident layers gave their memory back (",
+  const std::string given = detail::concat("layerstream: an allocation of this process ",
+                                           pressure_between_steps_.load() ? "between training steps" : "inside a training step",
+                                           " found no room on ", describe(), ": resident layers gave their memory back (",
                                            pressure_yielded_bytes_.load() / kMiB, " MiB over ", pressure_yields_.load(),
                                            " time(s) so far); they stream now");
   if (!vram_budget_.enabled) return given;
@@ -224,7 +225,7 @@ std::optional<std::size_t> DeviceState::layer_bytes_locked(LayerId layer, bool i
 std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) {
   if (view.limit == 0) return "LAYERSTREAM_VRAM_BUDGET is set but nothing reports device memory here; ignored";
   const std::size_t ring = engine_->ring_capacity();
-  const BudgetHeadroom::Room room = headroom_.room_for(view.limit, view.peak, ring);
+  const BudgetHeadroom::Room room = headroom_.room_for(view.limit, view.peak, ring, view.gap_peak);
   pressure_threshold_ = headroom_.threshold();
   gap_pressure_threshold_ = headroom_.gap_threshold();
   std::vector<LayerId> ids;
@@ -291,6 +292,10 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
                                                              " MiB of it held since the first step and in every "
                                                              "step, such as the optimizer's state")
                                             : std::string(),
+                        view.gap_peak > view.peak
+                            ? detail::concat("; up to ", view.gap_peak / kMiB, " MiB between steps, beside which the "
+                                             "plan leaves a quarter free")
+                            : std::string(),
                         "), ", headroom_.permille() / 10, "% headroom: ", kept, " layers (", kept_bytes / kMiB,
                         " MiB) stay on the device, ", streamed, " stream", ring_note,
                         not_copied > 0 ? detail::concat(" (", not_copied, " of them planned to stay, but their "
