@@ -58,7 +58,7 @@ class StepPeaks {
   // Another training step begins (its first forward); `live`: what the process holds now.
   void step_started(std::size_t live);
   // The step's backward finished: what follows until the next step is between steps.
-  void step_ended();
+  void step_ended() { in_step_ = false; }
   // The process holds `live` bytes now (after each allocation and each free).
   void on_live(std::size_t live);
   bool started() const { return started_; }
@@ -67,11 +67,6 @@ class StepPeaks {
   std::size_t predicted() const;
   // Of predicted(): what the base has grown by since the window began.
   std::size_t held_since_start() const;
-  // The most the process rose between two steps (the optimizer's step, a sample under no_grad, the next
-  // bucket's inputs before its first layer) above what the next step then began with, on top of the current
-  // step's base; 0 before any gap was seen. Gaps seen in earlier windows count too: a sample every N steps
-  // comes again after a plan made between two of them.
-  std::size_t predicted_gap() const;
 
  private:
   std::size_t base() const { return in_step_ ? base_ : live_; }
@@ -84,9 +79,6 @@ class StepPeaks {
   bool partial_first_ = false;       // the window began inside a step
   std::size_t partial_peak_ = 0;     // that step's peak, as it is (once it ended)
   std::size_t steps_begun_ = 0;      // step_started() calls since start()
-  bool in_gap_ = false;              // step_ended() since the last step_started()
-  std::size_t gap_peak_ = 0;         // the most held in that gap
-  std::size_t most_gap_ = 0;         // over the gaps seen, in this window and earlier ones
   std::size_t live_ = 0;
 };
 
@@ -149,10 +141,7 @@ class BudgetHeadroom {
   };
   // Room for the ring and resident layers on a device the process may use `limit` bytes of, whose step
   // peaked at `peak` with a ring of `ring` (the ring is counted again in the plan). Sets the threshold.
-  // `gap_peak` (0: none seen): the most the process was seen to hold between steps (StepPeaks::
-  // predicted_gap); the plan then also leaves the quarter that is_pressure wants free between steps, so that
-  // a plan does not make the next gap yield by itself.
-  Room room_for(std::size_t limit, std::size_t peak, std::size_t ring, std::size_t gap_peak = 0);
+  Room room_for(std::size_t limit, std::size_t peak, std::size_t ring);
   // An allocation that found no cached block is pressure inside a step when less than half the headroom
   // is free (the plan's own peak leaves all of it free), and between steps when less than a quarter of the
   // limit is free: the plan knows nothing of what is asked there (a sample, a text encoder, the user's own

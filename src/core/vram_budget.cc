@@ -13,9 +13,7 @@ constexpr std::size_t kMostHeadroomPermille = 250;
 }  // namespace
 
 void StepPeaks::start(std::size_t live, bool at_step_start) {
-  const std::size_t gaps = most_gap_;
   *this = StepPeaks();
-  most_gap_ = gaps;
   started_ = true;
   in_step_ = true;
   partial_first_ = !at_step_start;
@@ -31,29 +29,14 @@ void StepPeaks::step_started(std::size_t live) {
     most_excursion_ = std::max(most_excursion_, step_peak_ - base_);
   }
   ++steps_begun_;
-  if (in_gap_) most_gap_ = std::max(most_gap_, gap_peak_ > live ? gap_peak_ - live : 0);
-  in_gap_ = false;
   in_step_ = true;
   base_ = step_peak_ = live_ = live;
 }
 
-void StepPeaks::step_ended() {
-  if (!started_ || !in_step_) return;
-  in_step_ = false;
-  in_gap_ = true;
-  gap_peak_ = live_;
-}
-
 void StepPeaks::on_live(std::size_t live) {
   live_ = live;
-  if (in_step_) {
-    step_peak_ = std::max(step_peak_, live);
-  } else if (in_gap_) {
-    gap_peak_ = std::max(gap_peak_, live);
-  }
+  if (in_step_) step_peak_ = std::max(step_peak_, live);
 }
-
-std::size_t StepPeaks::predicted_gap() const { return most_gap_ > 0 ? most_gap_ + base() : 0; }
 
 std::size_t StepPeaks::predicted() const {
   const bool in_partial = partial_first_ && steps_begun_ == 0;
@@ -140,20 +123,14 @@ std::vector<LayerId> BudgetRecorder::take_uses() {
   return out;
 }
 
-BudgetHeadroom::Room BudgetHeadroom::room_for(std::size_t limit, std::size_t peak, std::size_t ring,
-                                              std::size_t gap_peak) {
+BudgetHeadroom::Room BudgetHeadroom::room_for(std::size_t limit, std::size_t peak, std::size_t ring) {
   Room r;
   r.headroom = limit / 1000 * permille_;
   threshold_ = r.headroom / 2;
   gap_threshold_ = limit / 1000 * kMostHeadroomPermille;
   // The ring and the resident copies share what the process may hold beyond its peak without the ring.
-  const auto room_beside = [&](std::size_t held, std::size_t left_free) -> std::size_t {
-    const std::size_t others = held > ring ? held - ring : 0;
-    return limit > others + left_free ? limit - others - left_free : 0;
-  };
-  r.room = room_beside(peak, r.headroom);
-  // Between steps the plan leaves the quarter is_pressure wants there, beside what the gaps were seen to take.
-  if (gap_peak > 0) r.room = std::min(r.room, room_beside(gap_peak, gap_threshold_));
+  const std::size_t others = peak > ring ? peak - ring : 0;
+  r.room = limit > others + r.headroom ? limit - others - r.headroom : 0;
   return r;
 }
 

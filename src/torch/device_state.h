@@ -73,7 +73,7 @@ struct DeviceMemoryView {
   std::size_t peak = 0;   // the most the process has held (torch's peak reserved on CUDA)
   std::size_t held_since = 0;  // of `peak`: how much more the process held at the latest step's start than at the
                                // first's (StepPeaks::held_since_start: the optimizer's state)
-  std::size_t gap_peak = 0;    // the most held between two steps (StepPeaks::predicted_gap; 0: none seen)
+  std::size_t rounding = 0;    // of `peak`: what the allocator's blocks hold beyond the sizes asked, now
 };
 
 // How a quantized or packed layer's weight was rebuilt for one use: into its ring region's scratch, found

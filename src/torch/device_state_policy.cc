@@ -225,7 +225,7 @@ std::optional<std::size_t> DeviceState::layer_bytes_locked(LayerId layer, bool i
 std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) {
   if (view.limit == 0) return "LAYERSTREAM_VRAM_BUDGET is set but nothing reports device memory here; ignored";
   const std::size_t ring = engine_->ring_capacity();
-  const BudgetHeadroom::Room room = headroom_.room_for(view.limit, view.peak, ring, view.gap_peak);
+  const BudgetHeadroom::Room room = headroom_.room_for(view.limit, view.peak, ring);
   pressure_threshold_ = headroom_.threshold();
   gap_pressure_threshold_ = headroom_.gap_threshold();
   std::vector<LayerId> ids;
@@ -292,9 +292,9 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
                                                              " MiB of it held since the first step and in every "
                                                              "step, such as the optimizer's state")
                                             : std::string(),
-                        view.gap_peak > view.peak
-                            ? detail::concat("; up to ", view.gap_peak / kMiB, " MiB between steps, beside which the "
-                                             "plan leaves a quarter free")
+                        view.rounding >= kMiB
+                            ? detail::concat("; ", view.rounding / kMiB, " MiB of it the allocator's blocks beyond "
+                                             "the sizes asked")
                             : std::string(),
                         "), ", headroom_.permille() / 10, "% headroom: ", kept, " layers (", kept_bytes / kMiB,
                         " MiB) stay on the device, ", streamed, " stream", ring_note,

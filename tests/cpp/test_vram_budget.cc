@@ -119,43 +119,6 @@ TEST(VramBudget, TheStepPeakIsTheMostExcursionOnTopOfTheLatestStepsBase) {
   EXPECT_EQ(p.predicted(), 100 * kMiB);
 }
 
-TEST(VramBudget, TheGapsBetweenStepsAreMeasuredAboveTheNextStepsBaseAndOutliveTheWindow) {
-  constexpr std::size_t kMiB = 1 << 20;
-  StepPeaks p;
-  p.start(1000 * kMiB, true);
-  EXPECT_EQ(p.predicted_gap(), 0u);  // no gap seen yet
-  p.on_live(5000 * kMiB);
-  p.on_live(1000 * kMiB);
-  p.step_ended();
-  // The optimizer's step: 1200 MiB of state kept, 600 MiB of temporaries on top.
-  p.on_live(2200 * kMiB);
-  p.on_live(2800 * kMiB);
-  p.on_live(2200 * kMiB);
-  p.step_started(2200 * kMiB);
-  EXPECT_EQ(p.predicted_gap(), (600 + 2200) * kMiB);  // the state is the next step's base, not the gap's
-  p.step_ended();
-  // A sample rises 3000 MiB and goes.
-  p.on_live(5200 * kMiB);
-  p.on_live(2200 * kMiB);
-  p.step_started(2200 * kMiB);
-  EXPECT_EQ(p.predicted_gap(), (3000 + 2200) * kMiB);
-  // A plan again: the sample's gap still counts (it comes again).
-  p.start(2200 * kMiB, true);
-  EXPECT_EQ(p.predicted_gap(), (3000 + 2200) * kMiB);
-  EXPECT_EQ(p.predicted(), 2200 * kMiB);
-}
-
-TEST(VramBudget, ThePlanLeavesTheGapsQuarterFreeBesideWhatTheGapsTook) {
-  BudgetHeadroom h;
-  const std::size_t limit = 24000 * kMiB;
-  // The step peaks at 6000 MiB (a 500 MiB ring among it): 5% headroom leaves 24000 - 5500 - 1200.
-  EXPECT_EQ(h.room_for(limit, 6000 * kMiB, 500 * kMiB).room, 17300 * kMiB);
-  // Gaps were seen to reach 9000 MiB: the quarter (6000) must stay free beside them, the tighter bound.
-  EXPECT_EQ(h.room_for(limit, 6000 * kMiB, 500 * kMiB, 9000 * kMiB).room, (24000 - 8500 - 6000) * kMiB);
-  // Small gaps leave the step's bound.
-  EXPECT_EQ(h.room_for(limit, 6000 * kMiB, 500 * kMiB, 1000 * kMiB).room, 17300 * kMiB);
-}
-
 TEST(VramBudget, AWindowBegunInsideAStepKeepsThatStepsPeakAsTheLeast) {
   constexpr std::size_t kMiB = 1 << 20;
   StepPeaks p;
