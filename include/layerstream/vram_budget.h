@@ -38,49 +38,20 @@ std::size_t ring_bytes_for(std::size_t layer_bytes, std::size_t floor, const std
 // (10: the deepest measured, FLUX.2 under 24 GiB). Only the one in use when the ring is fixed.
 std::vector<std::size_t> candidate_rings(std::size_t current, std::size_t largest_device_bytes, bool fixed);
 
-// The peak a plan must leave room for, from the training steps seen since the window began (at the first
-// training forward): how far each step rose above what the process held when it began (its excursion: the
-// activations, the backward's buffers), the most of those, on top of what the process holds at the start of
-// the latest step (the optimizer's state made at the first optimizer.step(), LoRA gradients: in every later
-// step beside the activations). Allocations between steps (the optimizer's step, a sample under no_grad, a
-// text encoder) change the next step's base, not a step's excursion.
-// (Seen on the H200, 2026-12-01: a plan from the first step's peak alone left no room for the optimizer's
-// state and the next steps yielded; the window's peak plus all that the window had added since its start,
-// read in the middle of the second step, counted the state twice and that step's activations again: a
-// FLUX.2 plan "peak 20389 MiB" for a step whose peak was 13.7 GiB.)
-// Not thread-safe: its owner serializes the calls (the CUDA glue: one lock per device).
-class StepPeaks {
- public:
-  // The window begins while the process holds `live` bytes: at a training step's first forward, or
-  // (`at_step_start` false: a plan again after a yield inside a step) in the middle of one, whose base is then
-  // unknown: its peak as it is stays the least predicted() gives.
-  void start(std::size_t live, bool at_step_start);
-  // Another training step begins (its first forward); `live`: what the process holds now.
-  void step_started(std::size_t live);
-  // The step's backward finished: what follows until the next step is between steps.
-  void step_ended() { in_step_ = false; }
-  // The process holds `live` bytes now (after each allocation and each free).
-  void on_live(std::size_t live);
-  bool started() const { return started_; }
-  // The peak the next steps will reach: the most excursion seen (the current step's so far among them) on
-  // top of the current step's base (between steps: what is held now).
-  std::size_t predicted() const;
-  // Of predicted(): what the base has grown by since the window began.
-  std::size_t held_since_start() const;
-
- private:
-  std::size_t base() const { return in_step_ ? base_ : live_; }
-  bool started_ = false;
-  bool in_step_ = false;
-  std::size_t first_base_ = 0;   // held when the window began
-  std::size_t base_ = 0;         // held when the current (or last) step began
-  std::size_t step_peak_ = 0;    // the most held in the current (or last) step
-  std::size_t most_excursion_ = 0;  // over the steps that ended before the current one
-  bool partial_first_ = false;       // the window began inside a step
-  std::size_t partial_peak_ = 0;     // that step's peak, as it is (once it ended)
-  std::size_t steps_begun_ = 0;      // step_started() calls since start()
-  std::size_t live_ = 0;
-};
+// The peak a plan must leave room for, from the first training step's window (from its first forward to the
+// next step's first forward): the window's peak plus what the process has held since the window began and
+// still holds (`live_now` above `live_at_start`): the optimizer's state, made at the first step's
+// optimizer.step() after the backward's peak, is in every later step beside the activations. (Seen on the
+// H200, 2026-12-01: a plan from the window's peak alone left too little room, and the next steps yielded.)
+// Read in the middle of the second step, this counts more than a step takes: the window's peak already
+// holds the second step's start with the optimizer's state, and `live_now` that step's activations so far
+// (FLUX.2-shaped on the H200: planned for 20389 MiB, steps peaked at 13.7 GiB). A per-step measure without
+// that margin (each step's rise above its own start, on its latest start; 880e5b0, reverted) planned FLUX.2
+// in AI-Toolkit's flow better (1.961 s/step, no yield) but FLUX.1's flow then yielded at two gaps between
+// steps (0.75-0.83 s/step against 0.587 here). What is asked there is not known yet (the optimizer's
+// temporaries are the likely part; the allocator's rounding was 23 MiB); a measure that also counts the
+// gaps' own rise, without counting a yield's release as one, is to be shown on the GPU before it replaces this.
+std::size_t steady_peak(std::size_t window_peak, std::size_t live_at_start, std::size_t live_now);
 
 // The plan for one step's record: the ring and resident layers (plan_ring_and_residency over the
 // candidates), kept at the current ring unless another copies fewer bytes (a rebuild costs a stall and the

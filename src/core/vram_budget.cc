@@ -12,41 +12,8 @@ constexpr std::size_t kMiB = std::size_t{1} << 20;
 constexpr std::size_t kMostHeadroomPermille = 250;
 }  // namespace
 
-void StepPeaks::start(std::size_t live, bool at_step_start) {
-  *this = StepPeaks();
-  started_ = true;
-  in_step_ = true;
-  partial_first_ = !at_step_start;
-  first_base_ = base_ = step_peak_ = live_ = partial_peak_ = live;
-  steps_begun_ = 0;
-}
-
-void StepPeaks::step_started(std::size_t live) {
-  if (!started_) return;
-  if (partial_first_ && steps_begun_ == 0) {
-    partial_peak_ = step_peak_;  // the partial step ends: its peak as it is; no excursion (its base is unknown)
-  } else {
-    most_excursion_ = std::max(most_excursion_, step_peak_ - base_);
-  }
-  ++steps_begun_;
-  in_step_ = true;
-  base_ = step_peak_ = live_ = live;
-}
-
-void StepPeaks::on_live(std::size_t live) {
-  live_ = live;
-  if (in_step_) step_peak_ = std::max(step_peak_, live);
-}
-
-std::size_t StepPeaks::predicted() const {
-  const bool in_partial = partial_first_ && steps_begun_ == 0;
-  const std::size_t from_steps = std::max(most_excursion_, in_partial ? 0 : step_peak_ - base_) + base();
-  if (!partial_first_) return from_steps;
-  return std::max(from_steps, in_partial ? step_peak_ : partial_peak_);
-}
-
-std::size_t StepPeaks::held_since_start() const {
-  return base() > first_base_ ? base() - first_base_ : 0;
+std::size_t steady_peak(std::size_t window_peak, std::size_t live_at_start, std::size_t live_now) {
+  return live_now > live_at_start ? window_peak + (live_now - live_at_start) : window_peak;
 }
 
 std::size_t ring_footprint(std::size_t device_bytes) {

@@ -22,15 +22,13 @@ namespace {
 
 namespace alloc = c10::cuda::CUDACachingAllocator;
 
-// Bytes the process has asked of the allocator and not freed yet, per device, and the training steps' peaks
-// since the window's start (StepPeaks). `on`: counting (a window was started); before that the tracker
-// returns at once. `mu` is a leaf lock: taken inside the allocator's trace callback (under the allocator's
-// own lock), and nothing is asked of the allocator while it is held.
+// Bytes the process has asked of the allocator and not freed yet, and their most since the window's start,
+// per device. `on`: counting (a window was started); before that the tracker returns at once.
 struct PeakWindow {
   std::atomic<bool> on{false};
-  std::mutex mu;
-  std::int64_t live = 0;  // guarded by mu
-  StepPeaks steps;        // guarded by mu
+  std::atomic<std::int64_t> start{0};  // live when the window began
+  std::atomic<std::int64_t> live{0};
+  std::atomic<std::int64_t> peak{0};
 };
 constexpr int kMostDevices = 64;
 std::array<PeakWindow, kMostDevices>& windows() {
@@ -41,23 +39,20 @@ std::array<PeakWindow, kMostDevices>& windows() {
 // The allocator's statistics are arrays over pool types; the first is the aggregate of all of them.
 constexpr std::size_t kAggregate = 0;
 
-std::size_t non_negative(std::int64_t v) { return static_cast<std::size_t>(std::max<std::int64_t>(v, 0)); }
-
 void on_trace(const alloc::TraceEntry& entry) {
   const int device = entry.device_;
   if (device < 0 || device >= kMostDevices) return;
   PeakWindow& w = windows()[device];
   if (!w.on.load(std::memory_order_relaxed)) return;
   const auto size = static_cast<std::int64_t>(entry.size_);
-  std::lock_guard<std::mutex> lock(w.mu);
   if (entry.action_ == alloc::TraceEntry::ALLOC) {
-    w.live += size;
+    const std::int64_t now = w.live.fetch_add(size) + size;
+    std::int64_t seen = w.peak.load();
+    while (now > seen && !w.peak.compare_exchange_weak(seen, now)) {
+    }
   } else if (entry.action_ == alloc::TraceEntry::FREE_COMPLETED) {
-    w.live -= size;
-  } else {
-    return;
+    w.live.fetch_sub(size);
   }
-  w.steps.on_live(non_negative(w.live));
 }
 
 void on_out_of_memory(int64_t device, size_t alloc, size_t allowed, size_t free);  // below
@@ -73,24 +68,10 @@ void start_window(DeviceState& state) {
   PeakWindow& w = windows()[index];
   // requested_bytes counts what ALLOC and FREE_COMPLETED carry (the sizes asked, before rounding).
   const auto now = static_cast<std::int64_t>(alloc::getDeviceStats(index).requested_bytes[kAggregate].current);
-  std::lock_guard<std::mutex> lock(w.mu);
+  w.start = now;
   w.live = now;
-  w.steps.start(non_negative(now), state.step_began_at_this_use());
+  w.peak = now;
   w.on = true;
-}
-
-// A training step of `state`'s device began (its first forward with grad) or ended (its backward finished).
-void mark_step(DeviceState& state, bool started) {
-  const c10::DeviceIndex index = state.device().index();
-  if (index < 0 || index >= kMostDevices) return;
-  PeakWindow& w = windows()[index];
-  if (!w.on.load(std::memory_order_relaxed)) return;
-  std::lock_guard<std::mutex> lock(w.mu);
-  if (started) {
-    w.steps.step_started(non_negative(w.live));
-  } else {
-    w.steps.step_ended();
-  }
 }
 
 // Free memory an allocation could still get on `index`: the driver's free memory plus what torch caches
@@ -118,19 +99,11 @@ DeviceMemoryView cuda_memory_view(DeviceState& state, const VramBudget& budget) 
   const c10::DeviceIndex index = state.device().index();
   DeviceMemoryView view;
   if (index >= 0 && index < kMostDevices && windows()[index].on) {
-    // The window counts the sizes asked; the allocator's blocks are larger (a block is not split when less
-    // than 1 MiB would remain: a LoRA matrix of 1.5 MiB holds a 2 MiB block), and the pressure check
-    // (free_for_allocation) counts the blocks. What the blocks hold beyond the sizes now is added to the
-    // peak: the parameters', gradients' and optimizer state's rounding is in every step. (Seen on the H200,
-    // 2026-12-01: a plan from the sizes asked left less than its headroom free, and the next gaps yielded.)
-    const auto stats = alloc::getDeviceStats(index);  // before the window's lock (a leaf lock)
-    const auto allocated = static_cast<std::size_t>(stats.allocated_bytes[kAggregate].current);
-    const auto requested = static_cast<std::size_t>(stats.requested_bytes[kAggregate].current);
-    PeakWindow& w = windows()[index];
-    std::lock_guard<std::mutex> lock(w.mu);
-    view.rounding = allocated > requested ? allocated - requested : 0;
-    view.peak = w.steps.predicted() + view.rounding;
-    view.held_since = w.steps.held_since_start();
+    const PeakWindow& w = windows()[index];
+    const auto bytes = [](std::int64_t v) { return static_cast<std::size_t>(std::max<std::int64_t>(v, 0)); };
+    const std::size_t window_peak = bytes(w.peak.load());
+    view.peak = steady_peak(window_peak, bytes(w.start.load()), bytes(w.live.load()));
+    view.held_since = view.peak - window_peak;
   } else {  // no window yet (a plan before any training forward cannot happen; kept for safety)
     view.peak = static_cast<std::size_t>(alloc::getDeviceStats(index).requested_bytes[kAggregate].peak);
   }
@@ -189,7 +162,7 @@ void on_out_of_memory(int64_t device, size_t /*alloc*/, size_t /*allowed*/, size
 }  // namespace
 
 void install_cuda_memory_probe() {
-  DeviceState::set_memory_resolver(&cuda_memory_view, &start_window, &mark_step);
+  DeviceState::set_memory_resolver(&cuda_memory_view, &start_window);
 }
 
 }  // namespace layerstream::torchglue

@@ -71,9 +71,7 @@ class HostBlockRef {
 struct DeviceMemoryView {
   std::size_t limit = 0;  // bytes the process may use ("auto": free + its own reserved, under torch's fraction)
   std::size_t peak = 0;   // the most the process has held (torch's peak reserved on CUDA)
-  std::size_t held_since = 0;  // of `peak`: how much more the process held at the latest step's start than at the
-                               // first's (StepPeaks::held_since_start: the optimizer's state)
-  std::size_t rounding = 0;    // of `peak`: what the allocator's blocks hold beyond the sizes asked, now
+  std::size_t held_since = 0;  // of `peak`: what the step made after its own peak and still holds (steady_peak)
 };
 
 // How a quantized or packed layer's weight was rebuilt for one use: into its ring region's scratch, found
@@ -153,9 +151,7 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // attach, text encoders, samples) does not count as the training step's.
   using MemoryResolver = std::function<DeviceMemoryView(DeviceState&, const VramBudget&)>;
   using PeakWindowStarter = std::function<void(DeviceState&)>;
-  using StepMarker = std::function<void(DeviceState&, bool started)>;  // a training step began / ended
-  static void set_memory_resolver(MemoryResolver resolver, PeakWindowStarter start_peak_window,
-                                  StepMarker mark_step);
+  static void set_memory_resolver(MemoryResolver resolver, PeakWindowStarter start_peak_window);
 
   // Memory pressure: an allocation of the process found no room (torch's allocator runs its free-memory
   // callbacks; the simulator its pressure hook). Gives back the resident copies no lease holds, so that the
@@ -178,8 +174,6 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // cache miss of torch's allocator there gives every resident layer back (the allocation's size is not
   // known to the allocator's callbacks), and the plan is made again without more headroom.
   bool in_training_step() const { return in_step_.load(); }
-  // Whether the layer use being observed is the first of a training step (for the budget's window).
-  bool step_began_at_this_use() const { return step_began_.load(); }
   // Called by a layer's backward: queues, once per backward pass (autograd graph task), the end of the step.
   void note_backward_pass();
 
@@ -251,7 +245,6 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   std::atomic<std::size_t> gap_pressure_threshold_{0};
   std::atomic<bool> pressure_between_steps_{false};  // the pending yield came from between two steps
   std::atomic<bool> in_step_{false};                 // in_training_step()
-  std::atomic<bool> step_began_{false};              // step_began_at_this_use()
   std::atomic<int> step_task_{-1};                   // the graph task whose end-of-step callback is queued
   std::unordered_set<const void*> planned_resident_;
   std::unordered_set<LayerId> fresh_each_use_;  // note_use(): layers never copied ahead of need

@@ -28,26 +28,18 @@ DeviceState::PeakWindowStarter& peak_window_starter() {
   static auto* s = new DeviceState::PeakWindowStarter();
   return *s;
 }
-DeviceState::StepMarker& step_marker() {
-  static auto* m = new DeviceState::StepMarker();
-  return *m;
-}
 
 }  // namespace
 
-void DeviceState::set_memory_resolver(MemoryResolver resolver, PeakWindowStarter start_peak_window,
-                                      StepMarker mark_step) {
+void DeviceState::set_memory_resolver(MemoryResolver resolver, PeakWindowStarter start_peak_window) {
   memory_resolver() = std::move(resolver);
   peak_window_starter() = std::move(start_peak_window);
-  step_marker() = std::move(mark_step);
 }
 
 void DeviceState::note_use(LayerId layer, bool fresh_each_use) {
   // A forward with grad enabled starts (or continues) a training step; a pass without grad (a sample, a
   // frozen teacher inside a step) leaves the flag as it is.
-  const bool began = (at::GradMode::is_enabled() || GradForwardScope::active()) && !in_step_.exchange(true);
-  step_began_ = began;
-  if (began && step_marker()) step_marker()(*this, /*started=*/true);
+  if (at::GradMode::is_enabled() || GradForwardScope::active()) in_step_ = true;
   const UseOutcome outcome = observe_and_prefetch(layer, fresh_each_use);
   if (!outcome.prefetch_error.empty()) {
     log_once("prefetch-failed", LogLevel::kWarning,
@@ -95,7 +87,6 @@ void DeviceState::note_backward_pass() {
     if (auto state = weak.lock()) {
       state->in_step_ = false;
       state->step_task_ = -1;
-      if (step_marker()) step_marker()(*state, /*started=*/false);
     }
   });
 }
@@ -289,13 +280,9 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
                         " MiB in the training step (from its first forward; what the process held before is not "
                         "counted",
                         view.held_since > 0 ? detail::concat("; ", view.held_since / kMiB,
-                                                             " MiB of it held since the first step and in every "
-                                                             "step, such as the optimizer's state")
+                                                             " MiB of it made after the step's own peak and still "
+                                                             "held, such as the optimizer's state")
                                             : std::string(),
-                        view.rounding >= kMiB
-                            ? detail::concat("; ", view.rounding / kMiB, " MiB of it the allocator's blocks beyond "
-                                             "the sizes asked")
-                            : std::string(),
                         "), ", headroom_.permille() / 10, "% headroom: ", kept, " layers (", kept_bytes / kMiB,
                         " MiB) stay on the device, ", streamed, " stream", ring_note,
                         not_copied > 0 ? detail::concat(" (", not_copied, " of them planned to stay, but their "
