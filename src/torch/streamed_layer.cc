@@ -23,7 +23,7 @@ using detail::view_of;
 
 namespace {
 
-// host_memory_counts(): process-wide totals, changed only by BlockAccount and StreamedLayer::pageable_.
+// host_memory_counts(): process-wide totals, changed only by BlockAccount and count_pageable_locked().
 std::atomic<std::int64_t> g_pinned_packed{0}, g_pinned_plain{0}, g_pageable{0};
 
 // One arena block's bytes in host_memory_counts(), for as long as anything holds the block (the layer, or
