@@ -103,6 +103,16 @@ bool read_before_backward_ends(const at::Tensor& real, const at::Tensor& saved) 
   return edges_into(acc.get(), running.get()) != 1;
 }
 
+// A linear layer's bias gradient as upstream computes it (`g2`: grad_out folded to (-1, out_features)).
+// Contiguous (or 2-D) inputs take linear's fused addmm path: the bias gradient is a sum over the flattened
+// rows. Other inputs take matmul + add: a sum over every leading dimension.
+at::Tensor linear_bias_grad(const at::Tensor& grad_out, const at::Tensor& g2, bool x_fused, std::int64_t out_features) {
+  if (x_fused) return g2.sum({0}, /*keepdim=*/true).view({out_features});
+  std::vector<std::int64_t> dims(grad_out.dim() - 1);
+  for (std::size_t i = 0; i < dims.size(); ++i) dims[i] = static_cast<std::int64_t>(i);
+  return grad_out.sum(dims, /*keepdim=*/true).view({out_features});
+}
+
 }  // namespace
 
 at::Tensor StreamedLayer::grad_to_host(at::Tensor grad, const at::Tensor& param, bool is_bias) {
@@ -215,19 +225,7 @@ std::array<at::Tensor, 3> StreamedLayer::compute_backward(const at::Tensor& grad
       const at::Tensor x2 = x.reshape({-1, x.size(-1)});
       gw = gradient_out(g2.t().mm(as_dtype(x2, dtype)), weight, false);
     }
-    if (need_b) {
-      // Contiguous (or 2-D) inputs take linear's fused addmm path: the bias gradient is a sum over the
-      // flattened rows. Other inputs take matmul + add: a sum over every leading dimension.
-      at::Tensor g;
-      if (x_fused) {
-        g = g2.sum({0}, /*keepdim=*/true).view({out_features});
-      } else {
-        std::vector<std::int64_t> dims(grad_out.dim() - 1);
-        for (std::size_t i = 0; i < dims.size(); ++i) dims[i] = static_cast<std::int64_t>(i);
-        g = grad_out.sum(dims, /*keepdim=*/true).view({out_features});
-      }
-      gb = gradient_out(g, bias, true);
-    }
+    if (need_b) gb = gradient_out(linear_bias_grad(grad_out, g2, x_fused, out_features), bias, true);
   } else {
     // convolution_backward is exactly what autograd runs for conv2d. An unbatched input (C, H, W) ran as
     // a batch of one (conv2d adds the batch dimension, and removes it from the output).
