@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
@@ -74,7 +76,7 @@ def strip_cxx(text: str) -> str:
             j = n if j < 0 else j + 2
             out.append(blank(text[i:j]))
             i = j
-        elif c == "R" and (m := _RAW_STRING.match(text, i)) and not (i > 0 and (text[i - 1].isalnum() or text[i - 1] == "_")):
+        elif c == "R" and (m := _RAW_STRING.match(text, i)) and not _in_identifier(text, i):
             end = text.find(")" + m.group(1) + '"', m.end())
             j = n if end < 0 else end + len(m.group(1)) + 2
             out.append('""' + blank(text[i + 2 : j]))  # keeps the token a string, its contents gone
@@ -94,6 +96,14 @@ def strip_cxx(text: str) -> str:
             out.append(c)
             i += 1
     return "".join(out)
+
+
+def _in_identifier(text: str, i: int) -> bool:
+    """Whether `i` continues an identifier (the R of fooR"x" is not a raw string's; of u8R"(x)" it is)."""
+    j = i
+    while j > 0 and (text[j - 1].isalnum() or text[j - 1] == "_"):
+        j -= 1
+    return text[j:i] not in ("", "u8", "u", "U", "L")
 
 
 def _after_number(text: str, i: int) -> bool:
@@ -303,7 +313,5 @@ def test_scanner_ignores_braces_in_literals_and_comments():
 
 
 def test_scanner_rejects_unbalanced_code():
-    import pytest
-
     with pytest.raises(ValueError, match="unclosed"):
         functions("int f() {\n  if (x) {\n  return 1;\n}\n")
