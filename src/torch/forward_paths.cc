@@ -145,10 +145,15 @@ py::cpp_function make_forward(const py::object& module, const py::object& manage
     }
     // The Parameter object stays the same through sync_packed_weight (its contents are swapped in place).
     const py::object weight_obj = param_of(module, "weight");
-    if (layer->lossless_takes_weight() || is_packed_weight(weight_obj)) sync_packed_weight(module, *layer);
+    // sync_packed_weight refreshes the layer, and hands that back when no Python code ran after it: forward
+    // then need not check again. From there to forward no Python code runs either (param_of reads the
+    // _parameters dict; the casts unwrap tensors) and the GIL is held, so no other thread can replace or
+    // write the Parameters in between.
+    std::optional<StreamedLayer::Refreshed> refreshed;
+    if (layer->lossless_takes_weight() || is_packed_weight(weight_obj)) refreshed = sync_packed_weight(module, *layer);
     const at::Tensor weight = weight_obj.cast<at::Tensor>();
     const at::Tensor bias = tensor_or_undefined(param_of(module, "bias"));
-    return py::cast(layer->forward(x.cast<at::Tensor>(), weight, bias));
+    return py::cast(layer->forward(x.cast<at::Tensor>(), weight, bias, refreshed));
   });
 }
 

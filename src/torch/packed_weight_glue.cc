@@ -15,7 +15,7 @@ bool is_packed_weight(const py::handle& obj) {
   return !obj.is_none() && py::type::of(obj).is(*type);
 }
 
-void sync_packed_weight(const py::object& module, StreamedLayer& layer) {
+std::optional<StreamedLayer::Refreshed> sync_packed_weight(const py::object& module, StreamedLayer& layer) {
   py::module_& pw = packed_weight_module();
   py::object w = param_of(module, "weight");
   if (is_packed_weight(w)) {
@@ -29,17 +29,20 @@ void sync_packed_weight(const py::object& module, StreamedLayer& layer) {
       pw.attr("unwrap")(w);
     }
   }
+  std::optional<StreamedLayer::Refreshed> refreshed;
   {
     const at::Tensor t = w.cast<at::Tensor>();
-    layer.refresh(t, tensor_or_undefined(param_of(module, "bias")));
+    refreshed = layer.refresh(t, tensor_or_undefined(param_of(module, "bias")));
   }
   if (const auto bytes = layer.packed_weight_to_wrap()) {
+    refreshed.reset();  // Python code runs below (wrap): the caller's forward checks again
     const std::vector<int> table(bytes->spec.exponent.begin(), bytes->spec.exponent.end());
     const py::tuple spec = py::make_tuple(bytes->spec.count, bytes->spec.exceptions, table);
     layer.forget_weight_parameter();
     pw.attr("wrap")(w, bytes->codes, spec, bytes->sizes);  // false: it keeps its plain values
     layer.adopt_weight_parameter(w.cast<at::Tensor>());
   }
+  return refreshed;
 }
 
 at::Tensor lossless_unpack_from_python(const at::Tensor& codes, const py::tuple& spec_tuple,

@@ -7,6 +7,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "streamed_layer.h"
@@ -25,8 +26,10 @@ bool is_packed_weight(const py::handle& obj);
 // Parameter that was unfrozen or written (or is not this layer's) is made plain again (exact, in place); the
 // layer is brought up to date (packed again where needed); and a weight the layer now holds packed gets a
 // PackedWeight Parameter (in place), so that the process keeps no plain copy. No at::Tensor of the Parameter
-// may be held across the swaps (torch.utils.swap_tensors refuses).
-void sync_packed_weight(const py::object& module, StreamedLayer& layer);
+// may be held across the swaps (torch.utils.swap_tensors refuses). Returns the layer's refresh() when no
+// Python code ran after it (nothing was wrapped), for the caller's forward to skip its own (a caller that
+// runs Python code or lets go of the GIL before that forward drops it); nullopt otherwise.
+std::optional<StreamedLayer::Refreshed> sync_packed_weight(const py::object& module, StreamedLayer& layer);
 
 // The bfloat16 tensor of `shape` rebuilt from lossless bytes and their spec as Python gives it
 // ((count, exceptions, exponent table)); on the bytes' device, at most `max_blocks` thread blocks (0: no limit).

@@ -1,6 +1,8 @@
 // StreamedLayer: one linear or conv2d layer whose weights live in the pinned arena and reach the device
 // through the TransferEngine for each use, and the autograd functions that use it.
 //
+// The implementation is split by job (streamed_layer_internal.h lists the files).
+//
 // Ownership: the layer shares its DeviceState and its arena block; the layer's `weight` and `bias`
 // Parameters are views of that block (their storage holds the block too), so the host copy exists once.
 // Streams: forward and backward compute on torch's current stream of the process device (CUDA), or on
@@ -92,7 +94,7 @@ class StreamedLayer : public torch::CustomClassHolder {
   // Where one tensor of the layer lies in its arena block, and which tensor it was packed from.
   struct Packed {
     std::vector<std::int64_t> sizes;
-    std::vector<std::int64_t> strides;  // layout_of() the Parameter (streamed_layer.cc)
+    std::vector<std::int64_t> strides;  // layout_of() the Parameter (streamed_layer_internal.h)
     at::ScalarType dtype = at::kFloat;
     std::size_t offset = 0;
     std::size_t bytes = 0;
@@ -131,9 +133,22 @@ class StreamedLayer : public torch::CustomClassHolder {
   // `values`: the weight's exact values when `weight` is a PackedWeight (packed_weight.py; its values come
   // from Python: torch's C++ dispatch into a Python subclass is not used here), else undefined.
   void pack(const at::Tensor& weight, const at::Tensor& bias, bool tied = false, const at::Tensor& values = {});
+  // What refresh() returns: this layer was brought up to date with the Parameters it was given. A caller
+  // that runs no Python code between refresh() and forward() and holds the GIL throughout (so that no
+  // other thread replaces or writes the Parameters in between: packed_weight_glue.cc, forward_paths.cc)
+  // passes it to forward(), which then skips its own check (and the layer's mutex).
+  class Refreshed {
+   public:
+    bool of(const StreamedLayer* layer) const { return layer_ == layer; }
+
+   private:
+    friend class StreamedLayer;
+    explicit Refreshed(const StreamedLayer* layer) : layer_(layer) {}
+    const StreamedLayer* layer_;
+  };
   // Called at every use: re-packs when the Parameters were replaced or their data swapped, and drops
   // the device copy when they were modified in place.
-  void refresh(const at::Tensor& weight, const at::Tensor& bias);
+  Refreshed refresh(const at::Tensor& weight, const at::Tensor& bias);
   // False when `weight` (the Parameter, or the codes tensor of a quantized weight) or `bias` is not what
   // was packed, or a quantized/compressed weight was modified in place: the caller must pack again. A
   // plain weight modified in place stays current (its device copy is dropped).
@@ -169,8 +184,10 @@ class StreamedLayer : public torch::CustomClassHolder {
   // quantized, else the weight's dtype; for stats and tests.
   std::string stored_as() const;
 
-  // The managed forward: weight and bias are the layer's current Parameters (autograd inputs).
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+  // The managed forward: weight and bias are the layer's current Parameters (autograd inputs). It refreshes
+  // the layer first, unless `refreshed` says that this call just did (see Refreshed).
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                     std::optional<Refreshed> refreshed = std::nullopt);
 
   // Used by the autograd functions.
   at::Tensor compute_forward(const at::Tensor& x);
@@ -259,6 +276,9 @@ class StreamedLayer : public torch::CustomClassHolder {
   // gradient before backward ends; otherwise it is joined before it is returned.
   at::Tensor grad_to_host(at::Tensor grad, const at::Tensor& param, bool is_bias);
   static bool matches(const Packed& p, const at::Tensor& t);
+  // Counts `bytes` as this layer's pageable host memory (host_memory_counts()) in place of what it counted.
+  // Caller holds mu_ (or is the destructor).
+  void count_pageable_locked(std::int64_t bytes);
 
   std::shared_ptr<DeviceState> state_;
   LayerKind kind_;
