@@ -3,6 +3,7 @@
 #include "layerstream/lossless.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <atomic>
 #include <numeric>
@@ -10,6 +11,11 @@
 #include <vector>
 
 #include "layerstream/check.h"
+#include "worker_pool.h"
+
+#if defined(__SSE2__) || defined(_M_X64)
+#include <emmintrin.h>
+#endif
 
 namespace layerstream {
 
@@ -34,30 +40,129 @@ unsigned threads_to_use() {
   return set != 0 ? set : std::max(1u, std::thread::hardware_concurrency());
 }
 
-// The values are split into chunks of a fixed length (the last one shorter), whatever the thread count,
-// so that every output (the exception list's order included: chunk by chunk) is the same for any number of
-// threads. Chunks are even-sized: a code byte (two values) never straddles two chunks.
-constexpr std::size_t kChunk = std::size_t{1} << 20;
+// The values are split into chunks of a fixed length (the last one shorter), whatever the thread count.
+// Each chunk's exceptions are listed in index order and the lists are joined in chunk order, so the list is
+// in index order whatever the chunks; chunks are multiples of kBlock values (so a code byte never straddles
+// two chunks) and small enough to share a mid-sized tensor among many threads.
+constexpr std::size_t kBlock = 16;  // values the encoder's inner loop takes at once
+constexpr std::size_t kChunk = std::size_t{1} << 16;
+static_assert(kChunk % kBlock == 0, "whole blocks per chunk");
 
 std::size_t chunk_count(std::size_t count) { return (count + kChunk - 1) / kChunk; }
 
-// Runs fn(chunk, begin, end) for every chunk, on min(threads, chunks) threads (the caller's among them),
-// each taking the next chunk not yet taken.
+std::size_t workers_for(std::size_t count) { return std::min<std::size_t>(threads_to_use(), chunk_count(count)); }
+
+// Runs fn(worker, chunk, begin, end) for every chunk on `workers` threads (workers_for(count): the caller's
+// thread and the shared pool's; worker is 0..workers-1), each taking the next chunk not yet taken.
 template <typename Fn>
-void in_chunks(std::size_t count, Fn&& fn) {
+void in_chunks(std::size_t count, std::size_t workers, Fn&& fn) {
   const std::size_t chunks = chunk_count(count);
-  const std::size_t workers = std::min<std::size_t>(threads_to_use(), chunks);
   std::atomic<std::size_t> next{0};
-  auto work = [&] {
-    for (std::size_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
-      fn(c, c * kChunk, std::min(count, (c + 1) * kChunk));
+  auto work = [&](std::size_t worker) {
+    for (std::size_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed)) {
+      fn(worker, c, c * kChunk, std::min(count, (c + 1) * kChunk));
     }
   };
-  std::vector<std::thread> threads;
-  threads.reserve(workers > 0 ? workers - 1 : 0);
-  for (std::size_t t = 1; t < workers; ++t) threads.emplace_back(work);
-  work();
-  for (auto& t : threads) t.join();
+  if (workers <= 1) {
+    work(0);
+  } else {
+    WorkerPool::shared().run(workers, work);
+  }
+}
+
+// Adds the exponent counts of values [0, n) to `histogram`.
+void count_exponents(const std::uint16_t* values, std::size_t n, std::uint64_t* histogram) {
+  // Eight histograms, summed at the end: consecutive equal exponents do not wait on one counter.
+  std::uint32_t h[8][256] = {};
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (std::size_t k = 0; k < 8; ++k) ++h[k][exponent_of(values[i + k])];
+  }
+  for (; i < n; ++i) ++h[0][exponent_of(values[i])];
+  for (std::size_t e = 0; e < 256; ++e) {
+    std::uint64_t sum = 0;
+    for (std::size_t k = 0; k < 8; ++k) sum += h[k][e];
+    histogram[e] += sum;
+  }
+}
+
+// The low bytes (sign << 7 | mantissa) of 16 values to low[0, 16) and their exponents to exponents[0, 16).
+inline void split_block(const std::uint16_t* values, std::uint8_t* low, std::uint8_t* exponents) {
+#if defined(__SSE2__) || defined(_M_X64)  // every x86-64
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + 8));
+  const __m128i mantissa = _mm_set1_epi16(0x007F), sign = _mm_set1_epi16(0x0080), byte = _mm_set1_epi16(0x00FF);
+  const __m128i low_a = _mm_or_si128(_mm_and_si128(a, mantissa), _mm_and_si128(_mm_srli_epi16(a, 8), sign));
+  const __m128i low_b = _mm_or_si128(_mm_and_si128(b, mantissa), _mm_and_si128(_mm_srli_epi16(b, 8), sign));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(low), _mm_packus_epi16(low_a, low_b));  // 0..255: no saturation
+  const __m128i exp_a = _mm_and_si128(_mm_srli_epi16(a, 7), byte);
+  const __m128i exp_b = _mm_and_si128(_mm_srli_epi16(b, 7), byte);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(exponents), _mm_packus_epi16(exp_a, exp_b));
+#else
+  for (std::size_t k = 0; k < kBlock; ++k) {
+    low[k] = low_byte_of(values[k]);
+    exponents[k] = exponent_of(values[k]);
+  }
+#endif
+}
+
+// Exponent -> code | kExceptionFlag for code 15: two entries ORed as `a | b << 4` keep both codes in the
+// low byte and both flags in bits 8 and 12, so a block needs one test for "any exception".
+constexpr std::uint16_t kExceptionFlag = 0x100;
+using CodeTable = std::array<std::uint16_t, 256>;
+
+CodeTable code_table(const LosslessSpec& spec) {
+  CodeTable table;
+  table.fill(LosslessSpec::kException | kExceptionFlag);
+  for (int code = LosslessSpec::kException - 1; code >= 0; --code) {
+    // Walking down, a repeated exponent (an unused slot's 0) ends on its lowest code, the one in use
+    // when exponent 0 is in the table (codes in use come first).
+    table[spec.exponent[code]] = static_cast<std::uint16_t>(code);
+  }
+  return table;
+}
+
+// Encodes values [begin, end) (begin a multiple of kBlock): their low bytes and codes, and their exceptions
+// (index, exponent) appended to `found` in index order.
+void encode_chunk(const CodeTable& shared_table, const std::uint16_t* values, std::size_t begin, std::size_t end,
+                  std::uint8_t* low, std::uint8_t* codes, std::vector<std::uint32_t>& found) {
+  const CodeTable table = shared_table;  // a local copy: the stores below cannot alias it
+  std::size_t i = begin;
+  for (; i + kBlock <= end; i += kBlock) {
+    alignas(16) std::uint8_t exponents[kBlock];
+    split_block(values + i, low + i, exponents);
+    std::uint8_t packed[kBlock / 2];
+    unsigned flags = 0;
+    for (std::size_t k = 0; k < kBlock / 2; ++k) {
+      const unsigned pair = table[exponents[2 * k]] | (unsigned{table[exponents[2 * k + 1]]} << 4);
+      packed[k] = static_cast<std::uint8_t>(pair);
+      flags |= pair;
+    }
+    std::memcpy(codes + i / 2, packed, sizeof packed);
+    if (flags & (kExceptionFlag | kExceptionFlag << 4)) {  // rare: which ones
+      for (std::size_t k = 0; k < kBlock; ++k) {
+        if (table[exponents[k]] & kExceptionFlag) {
+          found.push_back(static_cast<std::uint32_t>(i + k));
+          found.push_back(exponents[k]);
+        }
+      }
+    }
+  }
+  for (; i < end; ++i) {  // the tensor's last values (fewer than a block)
+    low[i] = low_byte_of(values[i]);
+    const std::uint8_t e = exponent_of(values[i]);
+    const auto code = static_cast<std::uint8_t>(table[e] & 0xFu);
+    if (i % 2 == 0) {
+      codes[i / 2] = code;
+    } else {
+      codes[i / 2] = static_cast<std::uint8_t>(codes[i / 2] | (code << 4));
+    }
+    if (table[e] & kExceptionFlag) {
+      found.push_back(static_cast<std::uint32_t>(i));
+      found.push_back(e);
+    }
+  }
 }
 
 }  // namespace
@@ -70,24 +175,15 @@ LosslessSpec lossless_plan(const std::uint16_t* values, std::size_t count) {
   LS_CHECK_ARG(count > 0 && count <= kLosslessMaxCount, "lossless packing takes 1 to ", kLosslessMaxCount,
                " values per tensor, not ", count);
   LS_CHECK_ARG(values != nullptr, "lossless_plan: no values");
-  const std::size_t pieces = chunk_count(count);
-  std::vector<std::array<std::size_t, 256>> partial(pieces);
-  in_chunks(count, [&](std::size_t p, std::size_t begin, std::size_t end) {
-    // Four histograms, summed at the end: consecutive equal exponents do not wait on one counter.
-    std::array<std::array<std::uint32_t, 256>, 4> h{};
-    std::size_t i = begin;
-    for (; i + 4 <= end; i += 4) {
-      ++h[0][exponent_of(values[i])];
-      ++h[1][exponent_of(values[i + 1])];
-      ++h[2][exponent_of(values[i + 2])];
-      ++h[3][exponent_of(values[i + 3])];
-    }
-    for (; i < end; ++i) ++h[0][exponent_of(values[i])];
-    for (std::size_t e = 0; e < 256; ++e) partial[p][e] = std::size_t{h[0][e]} + h[1][e] + h[2][e] + h[3][e];
+  // One histogram per worker (integer sums: the same whatever the split).
+  const std::size_t workers = workers_for(count);
+  std::vector<std::array<std::uint64_t, 256>> partial(workers, std::array<std::uint64_t, 256>{});
+  in_chunks(count, workers, [&](std::size_t worker, std::size_t, std::size_t begin, std::size_t end) {
+    count_exponents(values + begin, end - begin, partial[worker].data());
   });
-  std::array<std::size_t, 256> histogram{};
-  for (std::size_t p = 0; p < pieces; ++p) {
-    for (std::size_t e = 0; e < 256; ++e) histogram[e] += partial[p][e];
+  std::array<std::uint64_t, 256> histogram{};
+  for (const auto& p : partial) {
+    for (std::size_t e = 0; e < 256; ++e) histogram[e] += p[e];
   }
   // The fifteen most frequent exponents (ties: the smaller exponent first, so the table is deterministic).
   std::array<int, 256> order;
@@ -108,48 +204,19 @@ void lossless_encode(const LosslessSpec& spec, const std::uint16_t* values, void
   LS_CHECK_ARG(values != nullptr && out != nullptr, "lossless_encode: no values or no output");
   LS_CHECK_ARG(spec.count > 0 && spec.count <= kLosslessMaxCount, "lossless_encode: a spec of ", spec.count,
                " values");
-  // Exponent -> code; the table's unused slots repeat exponent 0, so map only the codes in use.
-  std::array<std::uint8_t, 256> code_of;
-  code_of.fill(LosslessSpec::kException);
-  for (int code = LosslessSpec::kException - 1; code >= 0; --code) {
-    // Walking down, a repeated exponent (an unused slot's 0) ends on its lowest code, the one in use
-    // when exponent 0 is in the table (codes in use come first).
-    code_of[spec.exponent[code]] = static_cast<std::uint8_t>(code);
-  }
+  const CodeTable table = code_table(spec);
   auto* base = static_cast<std::uint8_t*>(out);
   std::uint8_t* low = base;
   std::uint8_t* codes = base + spec.codes_offset();
-  // Only the padding between sections is zeroed here; the pieces write every other byte once (a piece
-  // starts at an even value, so each code byte is written whole by one thread).
+  // Only the padding between sections is zeroed here; the chunks write every other byte once (a chunk
+  // starts at a multiple of kBlock values, so each code byte is written whole by one thread).
   std::memset(low + spec.count, 0, spec.codes_offset() - spec.count);
   const std::size_t code_bytes = (spec.count + 1) / 2;
   std::memset(codes + code_bytes, 0, spec.exceptions_offset() - spec.codes_offset() - code_bytes);
   const std::size_t pieces = chunk_count(spec.count);
   std::vector<std::vector<std::uint32_t>> found(pieces);
-  in_chunks(spec.count, [&](std::size_t p, std::size_t begin, std::size_t end) {
-    std::vector<std::uint32_t>& mine = found[p];
-    const auto except = [&](std::size_t k) {
-      mine.push_back(static_cast<std::uint32_t>(k));
-      mine.push_back(exponent_of(values[k]));
-    };
-    std::size_t i = begin;
-    for (; i + 2 <= end; i += 2) {  // two values, one code byte
-      const std::uint16_t v0 = values[i], v1 = values[i + 1];
-      low[i] = low_byte_of(v0);
-      low[i + 1] = low_byte_of(v1);
-      const std::uint8_t c0 = code_of[exponent_of(v0)], c1 = code_of[exponent_of(v1)];
-      codes[i / 2] = static_cast<std::uint8_t>(c0 | (c1 << 4));
-      if (c0 == LosslessSpec::kException || c1 == LosslessSpec::kException) {  // rare
-        if (c0 == LosslessSpec::kException) except(i);
-        if (c1 == LosslessSpec::kException) except(i + 1);
-      }
-    }
-    if (i < end) {  // an odd count: the last value alone in its byte
-      low[i] = low_byte_of(values[i]);
-      const std::uint8_t c0 = code_of[exponent_of(values[i])];
-      codes[i / 2] = c0;
-      if (c0 == LosslessSpec::kException) except(i);
-    }
+  in_chunks(spec.count, workers_for(spec.count), [&](std::size_t, std::size_t c, std::size_t begin, std::size_t end) {
+    encode_chunk(table, values, begin, end, low, codes, found[c]);
   });
   std::size_t listed = 0;
   for (std::size_t p = 0; p < pieces; ++p) listed += found[p].size() / 2;
