@@ -16,6 +16,10 @@
 #if defined(__SSE2__) || defined(_M_X64)
 #include <emmintrin.h>
 #endif
+#if defined(__GNUC__) && defined(__x86_64__)  // GCC and Clang: an SSSE3 path chosen at run time
+#define LS_LOSSLESS_SSSE3 1
+#include <tmmintrin.h>
+#endif
 
 namespace layerstream {
 
@@ -123,6 +127,25 @@ CodeTable code_table(const LosslessSpec& spec) {
   return table;
 }
 
+// Encodes values [i, end), fewer than a block (the tensor's last ones), one at a time.
+void encode_tail(const CodeTable& table, const std::uint16_t* values, std::size_t i, std::size_t end,
+                 std::uint8_t* low, std::uint8_t* codes, std::vector<std::uint32_t>& found) {
+  for (; i < end; ++i) {
+    low[i] = low_byte_of(values[i]);
+    const std::uint8_t e = exponent_of(values[i]);
+    const auto code = static_cast<std::uint8_t>(table[e] & 0xFu);
+    if (i % 2 == 0) {
+      codes[i / 2] = code;
+    } else {
+      codes[i / 2] = static_cast<std::uint8_t>(codes[i / 2] | (code << 4));
+    }
+    if (table[e] & kExceptionFlag) {
+      found.push_back(static_cast<std::uint32_t>(i));
+      found.push_back(e);
+    }
+  }
+}
+
 // Encodes values [begin, end) (begin a multiple of kBlock): their low bytes and codes, and their exceptions
 // (index, exponent) appended to `found` in index order.
 void encode_chunk(const CodeTable& shared_table, const std::uint16_t* values, std::size_t begin, std::size_t end,
@@ -149,21 +172,81 @@ void encode_chunk(const CodeTable& shared_table, const std::uint16_t* values, st
       }
     }
   }
-  for (; i < end; ++i) {  // the tensor's last values (fewer than a block)
-    low[i] = low_byte_of(values[i]);
-    const std::uint8_t e = exponent_of(values[i]);
-    const auto code = static_cast<std::uint8_t>(table[e] & 0xFu);
-    if (i % 2 == 0) {
-      codes[i / 2] = code;
-    } else {
-      codes[i / 2] = static_cast<std::uint8_t>(codes[i / 2] | (code << 4));
-    }
-    if (table[e] & kExceptionFlag) {
-      found.push_back(static_cast<std::uint32_t>(i));
-      found.push_back(e);
+  encode_tail(table, values, i, end, low, codes, found);
+}
+
+// When every exponent with a code of its own lies in one window of 16 consecutive exponents (weights: the
+// fifteen most frequent are neighbouring octaves), a 16-entry table of the window gives the codes of 16
+// values in one SSSE3 shuffle. Otherwise (e.g. exponent 0 of many exact zeros beside the weights' octaves),
+// or without SSSE3, encode_chunk's per-value lookup does. Both write the same bytes.
+struct Window {
+  bool usable = false;
+  std::uint8_t base = 0;  // the window is base .. base + 15
+  std::array<std::uint8_t, 16> code{};  // code of exponent base + k (15 for one without a code)
+};
+
+Window window_of(const CodeTable& table) {
+  int lowest = 256, highest = -1;
+  for (int e = 0; e < 256; ++e) {
+    if ((table[e] & kExceptionFlag) == 0) {
+      lowest = std::min(lowest, e);
+      highest = std::max(highest, e);
     }
   }
+  Window w;
+  if (highest < 0 || highest - lowest > 15) return w;
+  w.usable = true;
+  w.base = static_cast<std::uint8_t>(std::min(lowest, 240));
+  for (int k = 0; k < 16; ++k) w.code[k] = static_cast<std::uint8_t>(table[w.base + k] & 0xFu);
+  return w;
 }
+
+#if defined(LS_LOSSLESS_SSSE3)
+bool have_ssse3() {
+  static const bool have = __builtin_cpu_supports("ssse3");
+  return have;
+}
+
+// encode_chunk for a usable window, 16 values at a time with SSSE3.
+__attribute__((target("ssse3"))) void encode_chunk_window(const Window& w, const CodeTable& table,
+                                                          const std::uint16_t* values, std::size_t begin,
+                                                          std::size_t end, std::uint8_t* low, std::uint8_t* codes,
+                                                          std::vector<std::uint32_t>& found) {
+  const __m128i window_codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.code.data()));
+  const __m128i base = _mm_set1_epi8(static_cast<char>(w.base));
+  const __m128i fifteen = _mm_set1_epi8(LosslessSpec::kException);
+  const __m128i mantissa = _mm_set1_epi16(0x007F), sign = _mm_set1_epi16(0x0080), byte = _mm_set1_epi16(0x00FF);
+  std::size_t i = begin;
+  for (; i + kBlock <= end; i += kBlock) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + i + 8));
+    const __m128i low_a = _mm_or_si128(_mm_and_si128(a, mantissa), _mm_and_si128(_mm_srli_epi16(a, 8), sign));
+    const __m128i low_b = _mm_or_si128(_mm_and_si128(b, mantissa), _mm_and_si128(_mm_srli_epi16(b, 8), sign));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(low + i), _mm_packus_epi16(low_a, low_b));
+    const __m128i exponents =
+        _mm_packus_epi16(_mm_and_si128(_mm_srli_epi16(a, 7), byte), _mm_and_si128(_mm_srli_epi16(b, 7), byte));
+    // Offset in the window (wrapping: one outside it is above 15), its code, and 15 outside the window.
+    const __m128i offset = _mm_sub_epi8(exponents, base);
+    const __m128i inside = _mm_cmpeq_epi8(_mm_min_epu8(offset, fifteen), offset);
+    const __m128i code = _mm_or_si128(_mm_and_si128(inside, _mm_shuffle_epi8(window_codes, offset)),
+                                      _mm_andnot_si128(inside, fifteen));
+    // Byte pairs (c0, c1) as 16-bit lanes c0 | c1 << 8 -> c0 | c1 << 4, packed to 8 bytes.
+    const __m128i pairs = _mm_and_si128(_mm_or_si128(code, _mm_srli_epi16(code, 4)), byte);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i / 2), _mm_packus_epi16(pairs, pairs));
+    unsigned marked = static_cast<unsigned>(_mm_movemask_epi8(_mm_cmpeq_epi8(code, fifteen)));
+    if (marked != 0) {  // rare: list them in index order
+      alignas(16) std::uint8_t e[kBlock];
+      _mm_store_si128(reinterpret_cast<__m128i*>(e), exponents);
+      for (; marked != 0; marked &= marked - 1) {
+        const unsigned k = static_cast<unsigned>(__builtin_ctz(marked));
+        found.push_back(static_cast<std::uint32_t>(i + k));
+        found.push_back(e[k]);
+      }
+    }
+  }
+  encode_tail(table, values, i, end, low, codes, found);
+}
+#endif
 
 }  // namespace
 
@@ -215,9 +298,19 @@ void lossless_encode(const LosslessSpec& spec, const std::uint16_t* values, void
   std::memset(codes + code_bytes, 0, spec.exceptions_offset() - spec.codes_offset() - code_bytes);
   const std::size_t pieces = chunk_count(spec.count);
   std::vector<std::vector<std::uint32_t>> found(pieces);
-  in_chunks(spec.count, workers_for(spec.count), [&](std::size_t, std::size_t c, std::size_t begin, std::size_t end) {
-    encode_chunk(table, values, begin, end, low, codes, found[c]);
-  });
+#if defined(LS_LOSSLESS_SSSE3)
+  const Window window = window_of(table);
+  if (window.usable && have_ssse3()) {
+    in_chunks(spec.count, workers_for(spec.count), [&](std::size_t, std::size_t c, std::size_t begin, std::size_t end) {
+      encode_chunk_window(window, table, values, begin, end, low, codes, found[c]);
+    });
+  } else
+#endif
+  {
+    in_chunks(spec.count, workers_for(spec.count), [&](std::size_t, std::size_t c, std::size_t begin, std::size_t end) {
+      encode_chunk(table, values, begin, end, low, codes, found[c]);
+    });
+  }
   std::size_t listed = 0;
   for (std::size_t p = 0; p < pieces; ++p) listed += found[p].size() / 2;
   LS_CHECK_ARG(listed == spec.exceptions, "lossless_encode: the spec counts ", spec.exceptions,

@@ -161,10 +161,16 @@ TEST(Lossless, ExceptionsAtChunkAndBlockEdgesAndOddSizesOnManyThreads) {
   // The encoder splits the values into chunks of 2^16 (blocks of 16 within them); exceptions on either side
   // of every edge, and counts that end a value before, on and after an edge, on more threads than chunks
   // and more than cores: every encoding is the layout's own.
+  // Weight-like values take the encoder's window path (their table's exponents are 16 neighbours); with a
+  // third of them exact zeros (exponent 0 in the table too) the per-value lookup.
   const std::size_t chunk = std::size_t{1} << 16;
+  for (bool zeros : {false, true}) {
   for (std::size_t n : {chunk - 1, chunk, chunk + 1, 3 * chunk + 15, 3 * chunk + 16, 3 * chunk + 17,
                         (std::size_t{1} << 20) + 3}) {
     std::vector<std::uint16_t> v = normal_bf16(n, 0.02f, static_cast<unsigned>(n));
+    if (zeros) {
+      for (std::size_t i = 0; i < n; i += 3) v[i] = 0;
+    }
     std::vector<std::size_t> at{0, 1, 15, 16, 17, n - 1, n - 2};
     for (std::size_t edge = chunk; edge < n + 1; edge += chunk) {
       for (std::size_t d : {std::size_t{0}, std::size_t{1}}) {
@@ -184,8 +190,10 @@ TEST(Lossless, ExceptionsAtChunkAndBlockEdgesAndOddSizesOnManyThreads) {
     at.erase(std::unique(at.begin(), at.end()), at.end());
     EXPECT_GE(spec.exceptions, at.size()) << n;
     const std::vector<std::uint8_t> want = reference_encoding(spec, v);
-    for (const auto& buf : seen) EXPECT_EQ(buf, want) << n;
+    for (const auto& buf : seen) EXPECT_EQ(buf, want) << n << (zeros ? " with zeros" : "");
     EXPECT_EQ(decode(spec, seen.front()), v) << n;
+    EXPECT_EQ(spec.exponent[0] == 0, zeros) << n;  // the zeros' exponent is the most frequent
+  }
   }
 }
 
