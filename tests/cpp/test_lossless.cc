@@ -193,6 +193,8 @@ TEST(Lossless, ExceptionsAtChunkAndBlockEdgesAndOddSizesOnManyThreads) {
     for (const auto& buf : seen) EXPECT_EQ(buf, want) << n << (zeros ? " with zeros" : "");
     EXPECT_EQ(decode(spec, seen.front()), v) << n;
     EXPECT_EQ(spec.exponent[0] == 0, zeros) << n;  // the zeros' exponent is the most frequent
+    const auto [lowest, highest] = std::minmax_element(spec.exponent.begin(), spec.exponent.begin() + 15);
+    EXPECT_EQ(*highest - *lowest <= 15, !zeros) << n;  // a window of 16 exponents, or not
   }
   }
 }
