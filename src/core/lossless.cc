@@ -13,9 +13,6 @@
 #include "layerstream/check.h"
 #include "worker_pool.h"
 
-#if defined(__SSE2__) || defined(_M_X64)
-#include <emmintrin.h>
-#endif
 #if defined(__GNUC__) && defined(__x86_64__)  // GCC and Clang: an SSSE3 path chosen at run time
 #define LS_LOSSLESS_SSSE3 1
 #include <tmmintrin.h>
@@ -92,23 +89,12 @@ void count_exponents(const std::uint16_t* values, std::size_t n, std::uint64_t* 
 }
 
 // The low bytes (sign << 7 | mantissa) of 16 values to low[0, 16) and their exponents to exponents[0, 16).
-inline void split_block(const std::uint16_t* values, std::uint8_t* low, std::uint8_t* exponents) {
-#if defined(__SSE2__) || defined(_M_X64)  // every x86-64
-  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values));
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + 8));
-  const __m128i mantissa = _mm_set1_epi16(0x007F), sign = _mm_set1_epi16(0x0080), byte = _mm_set1_epi16(0x00FF);
-  const __m128i low_a = _mm_or_si128(_mm_and_si128(a, mantissa), _mm_and_si128(_mm_srli_epi16(a, 8), sign));
-  const __m128i low_b = _mm_or_si128(_mm_and_si128(b, mantissa), _mm_and_si128(_mm_srli_epi16(b, 8), sign));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(low), _mm_packus_epi16(low_a, low_b));  // 0..255: no saturation
-  const __m128i exp_a = _mm_and_si128(_mm_srli_epi16(a, 7), byte);
-  const __m128i exp_b = _mm_and_si128(_mm_srli_epi16(b, 7), byte);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(exponents), _mm_packus_epi16(exp_a, exp_b));
-#else
-  for (std::size_t k = 0; k < kBlock; ++k) {
+inline void split_block(const std::uint16_t* __restrict values, std::uint8_t* __restrict low,
+                        std::uint8_t* __restrict exponents) {
+  for (std::size_t k = 0; k < kBlock; ++k) {  // the compiler vectorizes this (restrict: no aliasing)
     low[k] = low_byte_of(values[k]);
     exponents[k] = exponent_of(values[k]);
   }
-#endif
 }
 
 // Exponent -> code | kExceptionFlag for code 15: two entries ORed as `a | b << 4` keep both codes in the
@@ -175,6 +161,7 @@ void encode_chunk(const CodeTable& shared_table, const std::uint16_t* values, st
   encode_tail(table, values, i, end, low, codes, found);
 }
 
+#if defined(LS_LOSSLESS_SSSE3)
 // When every exponent with a code of its own lies in one window of 16 consecutive exponents (weights: the
 // fifteen most frequent are neighbouring octaves), a 16-entry table of the window gives the codes of 16
 // values in one SSSE3 shuffle. Otherwise (e.g. exponent 0 of many exact zeros beside the weights' octaves),
@@ -201,7 +188,6 @@ Window window_of(const CodeTable& table) {
   return w;
 }
 
-#if defined(LS_LOSSLESS_SSSE3)
 bool have_ssse3() {
   static const bool have = __builtin_cpu_supports("ssse3");
   return have;
