@@ -8,7 +8,8 @@
 // held at the fork).
 //
 // Jobs are run one at a time (a second caller waits for the first job to end); the caller's own thread
-// takes part, so a job never waits on a worker that is not there.
+// takes part, so a job never waits on a worker that is not there. A job must not run another job on the
+// same pool (it would wait for itself).
 #pragma once
 
 #include <condition_variable>
