@@ -16,7 +16,8 @@
 //
 // Two decoders with identical results: lossless_decode_host (the reference; the sim backend runs it, so
 // CI does) and lossless_decode_cuda (two kernels on one stream: every value from the table, then the
-// exceptions patched). Neither allocates. The encoder runs on the host, once per weight, in threads.
+// exceptions patched). Neither allocates. The encoder runs on the host, once per weight, on the process's
+// persistent worker pool (src/core/worker_pool.h: no threads created per call).
 #pragma once
 
 #include <array>
@@ -47,8 +48,8 @@ LosslessSpec lossless_plan(const std::uint16_t* values, std::size_t count);
 // Writes spec.bytes() bytes at `out` (padding zeroed). `spec` must be lossless_plan's for these values.
 void lossless_encode(const LosslessSpec& spec, const std::uint16_t* values, void* out);
 
-// How many threads lossless_plan and lossless_encode run on (0: one per core, the default). Their output
-// is the same for any number (the values are split into fixed-size chunks, whatever the threads).
+// How many threads lossless_plan and lossless_encode run on (0: one per core, the default), the caller's
+// and the pool's; a tensor of fewer than 2^16 values takes one. Their output is the same for any number.
 void lossless_set_threads(unsigned threads);
 unsigned lossless_threads();
 

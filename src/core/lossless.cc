@@ -3,6 +3,7 @@
 #include "layerstream/lossless.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <atomic>
 #include <numeric>
@@ -10,6 +11,12 @@
 #include <vector>
 
 #include "layerstream/check.h"
+#include "worker_pool.h"
+
+#if defined(__GNUC__) && defined(__x86_64__)  // GCC and Clang: an SSSE3 path chosen at run time
+#define LS_LOSSLESS_SSSE3 1
+#include <tmmintrin.h>
+#endif
 
 namespace layerstream {
 
@@ -34,31 +41,198 @@ unsigned threads_to_use() {
   return set != 0 ? set : std::max(1u, std::thread::hardware_concurrency());
 }
 
-// The values are split into chunks of a fixed length (the last one shorter), whatever the thread count,
-// so that every output (the exception list's order included: chunk by chunk) is the same for any number of
-// threads. Chunks are even-sized: a code byte (two values) never straddles two chunks.
-constexpr std::size_t kChunk = std::size_t{1} << 20;
+// The values are split into chunks of a fixed length (the last one shorter), whatever the thread count.
+// Each chunk's exceptions are listed in index order and the lists are joined in chunk order, so the list is
+// in index order whatever the chunks; chunks are multiples of kBlock values (so a code byte never straddles
+// two chunks) and small enough to share a mid-sized tensor among many threads.
+constexpr std::size_t kBlock = 16;  // values the encoder's inner loop takes at once
+constexpr std::size_t kChunk = std::size_t{1} << 16;
+static_assert(kChunk % kBlock == 0, "whole blocks per chunk");
 
 std::size_t chunk_count(std::size_t count) { return (count + kChunk - 1) / kChunk; }
 
-// Runs fn(chunk, begin, end) for every chunk, on min(threads, chunks) threads (the caller's among them),
-// each taking the next chunk not yet taken.
+std::size_t workers_for(std::size_t count) { return std::min<std::size_t>(threads_to_use(), chunk_count(count)); }
+
+// Runs fn(worker, chunk, begin, end) for every chunk on `workers` threads (workers_for(count): the caller's
+// thread and the shared pool's; worker is 0..workers-1), each taking the next chunk not yet taken.
 template <typename Fn>
-void in_chunks(std::size_t count, Fn&& fn) {
+void in_chunks(std::size_t count, std::size_t workers, Fn&& fn) {
   const std::size_t chunks = chunk_count(count);
-  const std::size_t workers = std::min<std::size_t>(threads_to_use(), chunks);
   std::atomic<std::size_t> next{0};
-  auto work = [&] {
-    for (std::size_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
-      fn(c, c * kChunk, std::min(count, (c + 1) * kChunk));
+  auto work = [&](std::size_t worker) {
+    for (std::size_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed)) {
+      fn(worker, c, c * kChunk, std::min(count, (c + 1) * kChunk));
     }
   };
-  std::vector<std::thread> threads;
-  threads.reserve(workers > 0 ? workers - 1 : 0);
-  for (std::size_t t = 1; t < workers; ++t) threads.emplace_back(work);
-  work();
-  for (auto& t : threads) t.join();
+  if (workers <= 1) {
+    work(0);
+  } else {
+    WorkerPool::shared().run(workers, work);
+  }
 }
+
+// Adds the exponent counts of values [0, n) to `histogram`.
+void count_exponents(const std::uint16_t* values, std::size_t n, std::uint64_t* histogram) {
+  // Eight histograms, summed at the end: consecutive equal exponents do not wait on one counter.
+  std::uint32_t h[8][256] = {};
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (std::size_t k = 0; k < 8; ++k) ++h[k][exponent_of(values[i + k])];
+  }
+  for (; i < n; ++i) ++h[0][exponent_of(values[i])];
+  for (std::size_t e = 0; e < 256; ++e) {
+    std::uint64_t sum = 0;
+    for (std::size_t k = 0; k < 8; ++k) sum += h[k][e];
+    histogram[e] += sum;
+  }
+}
+
+// The low bytes (sign << 7 | mantissa) of 16 values to low[0, 16) and their exponents to exponents[0, 16).
+inline void split_block(const std::uint16_t* __restrict values, std::uint8_t* __restrict low,
+                        std::uint8_t* __restrict exponents) {
+  for (std::size_t k = 0; k < kBlock; ++k) {  // the compiler vectorizes this (restrict: no aliasing)
+    low[k] = low_byte_of(values[k]);
+    exponents[k] = exponent_of(values[k]);
+  }
+}
+
+// Exponent -> code | kExceptionFlag for code 15: two entries ORed as `a | b << 4` keep both codes in the
+// low byte and both flags in bits 8 and 12, so a block needs one test for "any exception".
+constexpr std::uint16_t kExceptionFlag = 0x100;
+using CodeTable = std::array<std::uint16_t, 256>;
+
+CodeTable code_table(const LosslessSpec& spec) {
+  CodeTable table;
+  table.fill(LosslessSpec::kException | kExceptionFlag);
+  for (int code = LosslessSpec::kException - 1; code >= 0; --code) {
+    // Walking down, a repeated exponent (an unused slot's 0) ends on its lowest code, the one in use
+    // when exponent 0 is in the table (codes in use come first).
+    table[spec.exponent[code]] = static_cast<std::uint16_t>(code);
+  }
+  return table;
+}
+
+// Encodes values [i, end), fewer than a block (the tensor's last ones), one at a time.
+void encode_tail(const CodeTable& table, const std::uint16_t* values, std::size_t i, std::size_t end,
+                 std::uint8_t* low, std::uint8_t* codes, std::vector<std::uint32_t>& found) {
+  for (; i < end; ++i) {
+    low[i] = low_byte_of(values[i]);
+    const std::uint8_t e = exponent_of(values[i]);
+    const auto code = static_cast<std::uint8_t>(table[e] & 0xFu);
+    if (i % 2 == 0) {
+      codes[i / 2] = code;
+    } else {
+      codes[i / 2] = static_cast<std::uint8_t>(codes[i / 2] | (code << 4));
+    }
+    if (table[e] & kExceptionFlag) {
+      found.push_back(static_cast<std::uint32_t>(i));
+      found.push_back(e);
+    }
+  }
+}
+
+// Encodes values [begin, end) (begin a multiple of kBlock): their low bytes and codes, and their exceptions
+// (index, exponent) appended to `found` in index order.
+void encode_chunk(const CodeTable& shared_table, const std::uint16_t* values, std::size_t begin, std::size_t end,
+                  std::uint8_t* low, std::uint8_t* codes, std::vector<std::uint32_t>& found) {
+  const CodeTable table = shared_table;  // a local copy: the stores below cannot alias it
+  std::size_t i = begin;
+  for (; i + kBlock <= end; i += kBlock) {
+    alignas(16) std::uint8_t exponents[kBlock];
+    split_block(values + i, low + i, exponents);
+    std::uint8_t packed[kBlock / 2];
+    unsigned flags = 0;
+    for (std::size_t k = 0; k < kBlock / 2; ++k) {
+      const unsigned pair = table[exponents[2 * k]] | (unsigned{table[exponents[2 * k + 1]]} << 4);
+      packed[k] = static_cast<std::uint8_t>(pair);
+      flags |= pair;
+    }
+    std::memcpy(codes + i / 2, packed, sizeof packed);
+    if (flags & (kExceptionFlag | kExceptionFlag << 4)) {  // rare: which ones
+      for (std::size_t k = 0; k < kBlock; ++k) {
+        if (table[exponents[k]] & kExceptionFlag) {
+          found.push_back(static_cast<std::uint32_t>(i + k));
+          found.push_back(exponents[k]);
+        }
+      }
+    }
+  }
+  encode_tail(table, values, i, end, low, codes, found);
+}
+
+#if defined(LS_LOSSLESS_SSSE3)
+// When every exponent with a code of its own lies in one window of 16 consecutive exponents (weights: the
+// fifteen most frequent are neighbouring octaves), a 16-entry table of the window gives the codes of 16
+// values in one SSSE3 shuffle. Otherwise (e.g. exponent 0 of many exact zeros beside the weights' octaves),
+// or without SSSE3, encode_chunk's per-value lookup does. Both write the same bytes.
+struct Window {
+  bool usable = false;
+  std::uint8_t base = 0;  // the window is base .. base + 15
+  std::array<std::uint8_t, 16> code{};  // code of exponent base + k (15 for one without a code)
+};
+
+Window window_of(const CodeTable& table) {
+  int lowest = 256, highest = -1;
+  for (int e = 0; e < 256; ++e) {
+    if ((table[e] & kExceptionFlag) == 0) {
+      lowest = std::min(lowest, e);
+      highest = std::max(highest, e);
+    }
+  }
+  Window w;
+  if (highest < 0 || highest - lowest > 15) return w;
+  w.usable = true;
+  w.base = static_cast<std::uint8_t>(std::min(lowest, 240));
+  for (int k = 0; k < 16; ++k) w.code[k] = static_cast<std::uint8_t>(table[w.base + k] & 0xFu);
+  return w;
+}
+
+bool have_ssse3() {
+  static const bool have = __builtin_cpu_supports("ssse3");
+  return have;
+}
+
+// encode_chunk for a usable window, 16 values at a time with SSSE3.
+__attribute__((target("ssse3"))) void encode_chunk_window(const Window& w, const CodeTable& table,
+                                                          const std::uint16_t* values, std::size_t begin,
+                                                          std::size_t end, std::uint8_t* low, std::uint8_t* codes,
+                                                          std::vector<std::uint32_t>& found) {
+  const __m128i window_codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.code.data()));
+  const __m128i base = _mm_set1_epi8(static_cast<char>(w.base));
+  const __m128i fifteen = _mm_set1_epi8(LosslessSpec::kException);
+  const __m128i mantissa = _mm_set1_epi16(0x007F), sign = _mm_set1_epi16(0x0080), byte = _mm_set1_epi16(0x00FF);
+  std::size_t i = begin;
+  for (; i + kBlock <= end; i += kBlock) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + i + 8));
+    const __m128i low_a = _mm_or_si128(_mm_and_si128(a, mantissa), _mm_and_si128(_mm_srli_epi16(a, 8), sign));
+    const __m128i low_b = _mm_or_si128(_mm_and_si128(b, mantissa), _mm_and_si128(_mm_srli_epi16(b, 8), sign));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(low + i), _mm_packus_epi16(low_a, low_b));
+    const __m128i exponents =
+        _mm_packus_epi16(_mm_and_si128(_mm_srli_epi16(a, 7), byte), _mm_and_si128(_mm_srli_epi16(b, 7), byte));
+    // Offset in the window (wrapping: one outside it is above 15), its code, and 15 outside the window.
+    const __m128i offset = _mm_sub_epi8(exponents, base);
+    const __m128i inside = _mm_cmpeq_epi8(_mm_min_epu8(offset, fifteen), offset);
+    const __m128i code = _mm_or_si128(_mm_and_si128(inside, _mm_shuffle_epi8(window_codes, offset)),
+                                      _mm_andnot_si128(inside, fifteen));
+    // Byte pairs (c0, c1) as 16-bit lanes c0 | c1 << 8 -> c0 | c1 << 4, packed to 8 bytes.
+    const __m128i pairs = _mm_and_si128(_mm_or_si128(code, _mm_srli_epi16(code, 4)), byte);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i / 2), _mm_packus_epi16(pairs, pairs));
+    unsigned marked = static_cast<unsigned>(_mm_movemask_epi8(_mm_cmpeq_epi8(code, fifteen)));
+    if (marked != 0) {  // rare: list them in index order
+      alignas(16) std::uint8_t e[kBlock];
+      _mm_store_si128(reinterpret_cast<__m128i*>(e), exponents);
+      for (; marked != 0; marked &= marked - 1) {
+        const unsigned k = static_cast<unsigned>(__builtin_ctz(marked));
+        found.push_back(static_cast<std::uint32_t>(i + k));
+        found.push_back(e[k]);
+      }
+    }
+  }
+  encode_tail(table, values, i, end, low, codes, found);
+}
+#endif
 
 }  // namespace
 
@@ -70,24 +244,15 @@ LosslessSpec lossless_plan(const std::uint16_t* values, std::size_t count) {
   LS_CHECK_ARG(count > 0 && count <= kLosslessMaxCount, "lossless packing takes 1 to ", kLosslessMaxCount,
                " values per tensor, not ", count);
   LS_CHECK_ARG(values != nullptr, "lossless_plan: no values");
-  const std::size_t pieces = chunk_count(count);
-  std::vector<std::array<std::size_t, 256>> partial(pieces);
-  in_chunks(count, [&](std::size_t p, std::size_t begin, std::size_t end) {
-    // Four histograms, summed at the end: consecutive equal exponents do not wait on one counter.
-    std::array<std::array<std::uint32_t, 256>, 4> h{};
-    std::size_t i = begin;
-    for (; i + 4 <= end; i += 4) {
-      ++h[0][exponent_of(values[i])];
-      ++h[1][exponent_of(values[i + 1])];
-      ++h[2][exponent_of(values[i + 2])];
-      ++h[3][exponent_of(values[i + 3])];
-    }
-    for (; i < end; ++i) ++h[0][exponent_of(values[i])];
-    for (std::size_t e = 0; e < 256; ++e) partial[p][e] = std::size_t{h[0][e]} + h[1][e] + h[2][e] + h[3][e];
+  // One histogram per worker (integer sums: the same whatever the split).
+  const std::size_t workers = workers_for(count);
+  std::vector<std::array<std::uint64_t, 256>> partial(workers, std::array<std::uint64_t, 256>{});
+  in_chunks(count, workers, [&](std::size_t worker, std::size_t, std::size_t begin, std::size_t end) {
+    count_exponents(values + begin, end - begin, partial[worker].data());
   });
-  std::array<std::size_t, 256> histogram{};
-  for (std::size_t p = 0; p < pieces; ++p) {
-    for (std::size_t e = 0; e < 256; ++e) histogram[e] += partial[p][e];
+  std::array<std::uint64_t, 256> histogram{};
+  for (const auto& p : partial) {
+    for (std::size_t e = 0; e < 256; ++e) histogram[e] += p[e];
   }
   // The fifteen most frequent exponents (ties: the smaller exponent first, so the table is deterministic).
   std::array<int, 256> order;
@@ -108,49 +273,30 @@ void lossless_encode(const LosslessSpec& spec, const std::uint16_t* values, void
   LS_CHECK_ARG(values != nullptr && out != nullptr, "lossless_encode: no values or no output");
   LS_CHECK_ARG(spec.count > 0 && spec.count <= kLosslessMaxCount, "lossless_encode: a spec of ", spec.count,
                " values");
-  // Exponent -> code; the table's unused slots repeat exponent 0, so map only the codes in use.
-  std::array<std::uint8_t, 256> code_of;
-  code_of.fill(LosslessSpec::kException);
-  for (int code = LosslessSpec::kException - 1; code >= 0; --code) {
-    // Walking down, a repeated exponent (an unused slot's 0) ends on its lowest code, the one in use
-    // when exponent 0 is in the table (codes in use come first).
-    code_of[spec.exponent[code]] = static_cast<std::uint8_t>(code);
-  }
+  const CodeTable table = code_table(spec);
   auto* base = static_cast<std::uint8_t*>(out);
   std::uint8_t* low = base;
   std::uint8_t* codes = base + spec.codes_offset();
-  // Only the padding between sections is zeroed here; the pieces write every other byte once (a piece
-  // starts at an even value, so each code byte is written whole by one thread).
+  // Only the padding between sections is zeroed here; the chunks write every other byte once (a chunk
+  // starts at a multiple of kBlock values, so each code byte is written whole by one thread).
   std::memset(low + spec.count, 0, spec.codes_offset() - spec.count);
   const std::size_t code_bytes = (spec.count + 1) / 2;
   std::memset(codes + code_bytes, 0, spec.exceptions_offset() - spec.codes_offset() - code_bytes);
   const std::size_t pieces = chunk_count(spec.count);
   std::vector<std::vector<std::uint32_t>> found(pieces);
-  in_chunks(spec.count, [&](std::size_t p, std::size_t begin, std::size_t end) {
-    std::vector<std::uint32_t>& mine = found[p];
-    const auto except = [&](std::size_t k) {
-      mine.push_back(static_cast<std::uint32_t>(k));
-      mine.push_back(exponent_of(values[k]));
-    };
-    std::size_t i = begin;
-    for (; i + 2 <= end; i += 2) {  // two values, one code byte
-      const std::uint16_t v0 = values[i], v1 = values[i + 1];
-      low[i] = low_byte_of(v0);
-      low[i + 1] = low_byte_of(v1);
-      const std::uint8_t c0 = code_of[exponent_of(v0)], c1 = code_of[exponent_of(v1)];
-      codes[i / 2] = static_cast<std::uint8_t>(c0 | (c1 << 4));
-      if (c0 == LosslessSpec::kException || c1 == LosslessSpec::kException) {  // rare
-        if (c0 == LosslessSpec::kException) except(i);
-        if (c1 == LosslessSpec::kException) except(i + 1);
-      }
-    }
-    if (i < end) {  // an odd count: the last value alone in its byte
-      low[i] = low_byte_of(values[i]);
-      const std::uint8_t c0 = code_of[exponent_of(values[i])];
-      codes[i / 2] = c0;
-      if (c0 == LosslessSpec::kException) except(i);
-    }
-  });
+#if defined(LS_LOSSLESS_SSSE3)
+  const Window window = window_of(table);
+  if (window.usable && have_ssse3()) {
+    in_chunks(spec.count, workers_for(spec.count), [&](std::size_t, std::size_t c, std::size_t begin, std::size_t end) {
+      encode_chunk_window(window, table, values, begin, end, low, codes, found[c]);
+    });
+  } else
+#endif
+  {
+    in_chunks(spec.count, workers_for(spec.count), [&](std::size_t, std::size_t c, std::size_t begin, std::size_t end) {
+      encode_chunk(table, values, begin, end, low, codes, found[c]);
+    });
+  }
   std::size_t listed = 0;
   for (std::size_t p = 0; p < pieces; ++p) listed += found[p].size() / 2;
   LS_CHECK_ARG(listed == spec.exceptions, "lossless_encode: the spec counts ", spec.exceptions,

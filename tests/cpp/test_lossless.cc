@@ -6,6 +6,7 @@
 #include <utility>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "backends.h"
@@ -154,6 +155,83 @@ TEST(Lossless, RefusesNoValuesAndASpecOfOtherValues) {
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("exceptions"), std::string::npos) << e.what();
   }
+}
+
+TEST(Lossless, ExceptionsAtChunkAndBlockEdgesAndOddSizesOnManyThreads) {
+  // The encoder splits the values into chunks of 2^16 (blocks of 16 within them); exceptions on either side
+  // of every edge, and counts that end a value before, on and after an edge, on more threads than chunks
+  // and more than cores: every encoding is the layout's own.
+  // Weight-like values take the encoder's window path (their table's exponents are 16 neighbours); with a
+  // third of them exact zeros (exponent 0 in the table too) the per-value lookup.
+  const std::size_t chunk = std::size_t{1} << 16;
+  for (bool zeros : {false, true}) {
+  for (std::size_t n : {chunk - 1, chunk, chunk + 1, 3 * chunk + 15, 3 * chunk + 16, 3 * chunk + 17,
+                        (std::size_t{1} << 20) + 3}) {
+    std::vector<std::uint16_t> v = normal_bf16(n, 0.02f, static_cast<unsigned>(n));
+    if (zeros) {
+      for (std::size_t i = 0; i < n; i += 3) v[i] = 0;
+    }
+    std::vector<std::size_t> at{0, 1, 15, 16, 17, n - 1, n - 2};
+    for (std::size_t edge = chunk; edge < n + 1; edge += chunk) {
+      for (std::size_t d : {std::size_t{0}, std::size_t{1}}) {
+        if (edge - 1 - d < n) at.push_back(edge - 1 - d);
+        if (edge + d < n) at.push_back(edge + d);
+      }
+    }
+    for (std::size_t i : at) v[i] = static_cast<std::uint16_t>((v[i] & 0x807F) | (3u << 7));  // exponent 3: rare
+    std::vector<std::vector<std::uint8_t>> seen;
+    LosslessSpec spec;
+    for (unsigned threads : {1u, 3u, 33u}) {
+      lossless_set_threads(threads);
+      seen.push_back(encode(v, &spec));
+    }
+    lossless_set_threads(0);
+    std::sort(at.begin(), at.end());
+    at.erase(std::unique(at.begin(), at.end()), at.end());
+    EXPECT_GE(spec.exceptions, at.size()) << n;
+    const std::vector<std::uint8_t> want = reference_encoding(spec, v);
+    for (const auto& buf : seen) EXPECT_EQ(buf, want) << n << (zeros ? " with zeros" : "");
+    EXPECT_EQ(decode(spec, seen.front()), v) << n;
+    EXPECT_EQ(spec.exponent[0] == 0, zeros) << n;  // the zeros' exponent is the most frequent
+    const auto [lowest, highest] = std::minmax_element(spec.exponent.begin(), spec.exponent.begin() + 15);
+    EXPECT_EQ(*highest - *lowest <= 15, !zeros) << n;  // a window of 16 exponents, or not
+  }
+  }
+}
+
+TEST(Lossless, EveryShortCountAndEveryExceptionPlaceWithinABlock) {
+  // Counts 1..40 (whole blocks, a block and a tail, tails alone), each with one exception at each place.
+  for (std::size_t n = 1; n <= 40; ++n) {
+    for (std::size_t at = 0; at < n; ++at) {
+      std::vector<std::uint16_t> v(n);
+      for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::uint16_t>(((120 + i % 15) << 7) | (i * 37 & 0x807F));
+      v[at] = static_cast<std::uint16_t>((v[at] & 0x807F) | (200u << 7));  // a sixteenth exponent, once
+      LosslessSpec spec;
+      const std::vector<std::uint8_t> buf = encode(v, &spec);
+      if (n >= 30) {  // fifteen exponents, each left at least once (ties go to the smaller): 200 is out
+        ASSERT_EQ(spec.exceptions, 1u) << n << " " << at;
+      }
+      EXPECT_EQ(buf, reference_encoding(spec, v)) << n << " " << at;
+      EXPECT_EQ(decode(spec, buf), v) << n << " " << at;
+    }
+  }
+}
+
+TEST(Lossless, ConcurrentCallersGetTheirOwnEncodings) {
+  // Two threads encode different tensors at once through the one worker pool.
+  lossless_set_threads(4);
+  const std::vector<std::uint16_t> a = normal_bf16((std::size_t{5} << 16) + 7, 0.02f, 31);
+  const std::vector<std::uint16_t> b = normal_bf16((std::size_t{3} << 16) + 1, 1.0f, 32);
+  std::vector<std::vector<std::uint8_t>> got_a(8), got_b(8);
+  LosslessSpec spec_a, spec_b;
+  std::thread other([&] {
+    for (auto& g : got_b) g = encode(b, &spec_b);
+  });
+  for (auto& g : got_a) g = encode(a, &spec_a);
+  other.join();
+  lossless_set_threads(0);
+  for (const auto& g : got_a) EXPECT_EQ(g, reference_encoding(spec_a, a));
+  for (const auto& g : got_b) EXPECT_EQ(g, reference_encoding(spec_b, b));
 }
 
 #ifdef LAYERSTREAM_WITH_CUDA
