@@ -34,7 +34,8 @@
 #          (benchmarks/ostris_bench.py; LAYERSTREAM_OSTRIS_QTYPES, LAYERSTREAM_OSTRIS_CAP_GB)
 #   mem    memory first: FLUX.1 100% streamed stock vs layerstream's default ring; AI-Toolkit's flow (model on the
 #          GPU before attach, an encoder freed, samples, buckets) under 24 GiB: resident, layerstream auto, stock at
-#          0.5, and layerstream auto with 4 GiB taken by the user between steps (LAYERSTREAM_MEM_RUNS picks)
+#          0.5, and layerstream auto with 4 GiB taken by the user between steps (LAYERSTREAM_MEM_RUNS picks;
+#          also detflow, flow2, and flowcyc/flow2cyc: FLUX.1/FLUX.2 flow with LAYERSTREAM_VRAM_PEAK=cycles)
 #   rings  FLUX.1-shaped bf16 100% streamed, layerstream alone, at several ring sizes, lookaheads and
 #          placements (LAYERSTREAM_PERF_RINGS="default default:lru 1024 1536x16:lru ...": MiB, x layers,
 #          :fifo or :lru for LAYERSTREAM_RING_POLICY)
@@ -519,6 +520,18 @@ PY
     step "AI-Toolkit's flow under a 24 GiB cap, layerstream auto, the user takes 4 GiB before step 4 for 2 steps"
     flux mem_flux1_pressure LAYERSTREAM_VRAM_BUDGET=auto "${FLOW[@]}" --mode layerstream --user-alloc-gb 4
     grep -E "found no room|VRAM budget on" "$OUT/all.log" | tail -n 6 | sed 's/^/      /' >>"$OUT/summary.txt"
+  fi
+  if [[ $MRUNS == *,flowcyc,* ]]; then
+    # LAYERSTREAM_VRAM_PEAK=cycles (experimental): the budget's plan from each training cycle's rise, beside `flow`.
+    step "AI-Toolkit's flow: layerstream auto under a 24 GiB cap, LAYERSTREAM_VRAM_PEAK=cycles"
+    flux mem_flux1_flow_cycles LAYERSTREAM_VRAM_BUDGET=auto LAYERSTREAM_VRAM_PEAK=cycles "${FLOW[@]}" --mode layerstream
+    grep -E "found no room|VRAM budget on" "$OUT/all.log" | tail -n 4 | sed 's/^/      /' >>"$OUT/summary.txt"
+  fi
+  if [[ $MRUNS == *,flow2cyc,* ]]; then
+    step "AI-Toolkit's flow under a 24 GiB cap, FLUX.2-shaped: layerstream auto, LAYERSTREAM_VRAM_PEAK=cycles"
+    flux mem_flux2_flow_cycles LAYERSTREAM_VRAM_BUDGET=auto LAYERSTREAM_VRAM_PEAK=cycles --preset flux2 --aitk-flow \
+      --vram-cap-gb 24 --warmup 2 --steps 4 --mode layerstream
+    grep -E "found no room|VRAM budget on" "$OUT/all.log" | tail -n 3 | sed 's/^/      /' >>"$OUT/summary.txt"
   fi
   if [[ $MRUNS == *,flow2,* ]]; then
     step "AI-Toolkit's flow under a 24 GiB cap, FLUX.2-shaped: layerstream auto"

@@ -53,6 +53,35 @@ std::vector<std::size_t> candidate_rings(std::size_t current, std::size_t larges
 // gaps' own rise, without counting a yield's release as one, is to be shown on the GPU before it replaces this.
 std::size_t steady_peak(std::size_t window_peak, std::size_t live_at_start, std::size_t live_now);
 
+// The other measure (LAYERSTREAM_VRAM_PEAK=cycles; not the default until the GPU shows it): the peak of a
+// training cycle, from one step's first forward to the next's (the forward, the backward, the optimizer's
+// step, a sample, the next bucket's inputs): the most any cycle held above what it began with and let go of
+// again within it (its activations, the optimizer's temporaries), on top of what the current cycle began
+// with. What a cycle keeps for the next (the optimizer's state made at the first step, the user's tensors)
+// is in the next cycle's start, not a rise; a release of what it began with (resident layers given back)
+// is no rise either. A window begun inside a step (a plan again after a yield there)
+// keeps that partial cycle's peak, as it is, as the least it predicts.
+// Not thread-safe: its owner serializes the calls (the CUDA glue: one leaf lock per device).
+class CyclePeaks {
+ public:
+  void start(std::size_t live, bool at_cycle_start);  // the window begins, `live` bytes held
+  void cycle_started(std::size_t live);              // a training step's first forward
+  void on_live(std::size_t live);                    // after each allocation and each free
+  std::size_t predicted() const;
+  std::size_t held_since_start() const;  // how much more the current cycle began with than the window did
+
+ private:
+  bool started_ = false;
+  bool partial_first_ = false;  // the window began inside a cycle, whose start is unknown
+  std::size_t cycles_begun_ = 0;
+  std::size_t first_base_ = 0;
+  std::size_t base_ = 0;        // held when the current cycle began
+  std::size_t most_above_ = 0;  // the most held above base_ in the current cycle
+  std::size_t drop_ = 0;        // the largest fall from a height above base_ to a later one (floored at base_)
+  std::size_t most_rise_ = 0;   // the largest drop_ over the cycles that ended
+  std::size_t partial_peak_ = 0;
+};
+
 // The plan for one step's record: the ring and resident layers (plan_ring_and_residency over the
 // candidates), kept at the current ring unless another copies fewer bytes (a rebuild costs a stall and the
 // resident copies again).

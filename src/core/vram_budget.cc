@@ -16,6 +16,45 @@ std::size_t steady_peak(std::size_t window_peak, std::size_t live_at_start, std:
   return live_now > live_at_start ? window_peak + (live_now - live_at_start) : window_peak;
 }
 
+void CyclePeaks::start(std::size_t live, bool at_cycle_start) {
+  *this = CyclePeaks();
+  started_ = true;
+  partial_first_ = !at_cycle_start;
+  first_base_ = base_ = live;
+}
+
+void CyclePeaks::cycle_started(std::size_t live) {
+  if (!started_) return;
+  on_live(live);  // the cycle ends where the next begins
+  if (partial_first_ && cycles_begun_ == 0) {
+    partial_peak_ = base_ + most_above_;  // its start is unknown: its peak as it is, no rise
+  } else {
+    most_rise_ = std::max(most_rise_, drop_);
+  }
+  ++cycles_begun_;
+  base_ = live;
+  most_above_ = drop_ = 0;
+}
+
+void CyclePeaks::on_live(std::size_t live) {
+  if (!started_) return;
+  // Above the cycle's start only: a release of what the cycle began with (resident layers given back) is no
+  // fall from a rise. A rise is what the cycle held and then let go of again (a fall after it), so that
+  // what it keeps for the next (the optimizer's state) is not counted as a rise but as the next start.
+  const std::size_t above = live > base_ ? live - base_ : 0;
+  most_above_ = std::max(most_above_, above);
+  drop_ = std::max(drop_, most_above_ - above);
+}
+
+std::size_t CyclePeaks::predicted() const {
+  if (partial_first_ && cycles_begun_ == 0) return base_ + most_above_;
+  // The current cycle's rise so far counts whole (it may yet fall).
+  const std::size_t from_cycles = std::max(most_rise_, most_above_) + base_;
+  return partial_first_ ? std::max(from_cycles, partial_peak_) : from_cycles;
+}
+
+std::size_t CyclePeaks::held_since_start() const { return base_ > first_base_ ? base_ - first_base_ : 0; }
+
 std::size_t ring_footprint(std::size_t device_bytes) {
   return (device_bytes + kRingAlignment - 1) / kRingAlignment * kRingAlignment;
 }

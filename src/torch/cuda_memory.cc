@@ -24,11 +24,17 @@ namespace alloc = c10::cuda::CUDACachingAllocator;
 
 // Bytes the process has asked of the allocator and not freed yet, and their most since the window's start,
 // per device. `on`: counting (a window was started); before that the tracker returns at once.
+// With LAYERSTREAM_VRAM_PEAK=cycles (`cycles_on`) the training cycles' rises too (CyclePeaks), under `mu`: a
+// leaf lock, taken inside the allocator's trace callback (under the allocator's own lock); nothing is asked
+// of the allocator while it is held.
 struct PeakWindow {
   std::atomic<bool> on{false};
   std::atomic<std::int64_t> start{0};  // live when the window began
   std::atomic<std::int64_t> live{0};
   std::atomic<std::int64_t> peak{0};
+  std::atomic<bool> cycles_on{false};
+  std::mutex mu;
+  CyclePeaks cycles;  // guarded by mu
 };
 constexpr int kMostDevices = 64;
 std::array<PeakWindow, kMostDevices>& windows() {
@@ -52,6 +58,12 @@ void on_trace(const alloc::TraceEntry& entry) {
     }
   } else if (entry.action_ == alloc::TraceEntry::FREE_COMPLETED) {
     w.live.fetch_sub(size);
+  } else {
+    return;
+  }
+  if (w.cycles_on.load(std::memory_order_relaxed)) {
+    std::lock_guard<std::mutex> lock(w.mu);
+    w.cycles.on_live(static_cast<std::size_t>(std::max<std::int64_t>(w.live.load(), 0)));
   }
 }
 
@@ -71,7 +83,22 @@ void start_window(DeviceState& state) {
   w.start = now;
   w.live = now;
   w.peak = now;
+  if (state.vram_peak() == VramPeak::kCycles) {
+    std::lock_guard<std::mutex> lock(w.mu);
+    w.cycles.start(static_cast<std::size_t>(std::max<std::int64_t>(now, 0)), state.step_began_at_this_use());
+    w.cycles_on = true;
+  }
   w.on = true;
+}
+
+// A training step's first forward on `state`'s device: a new cycle for LAYERSTREAM_VRAM_PEAK=cycles.
+void mark_cycle(DeviceState& state) {
+  const c10::DeviceIndex index = state.device().index();
+  if (index < 0 || index >= kMostDevices) return;
+  PeakWindow& w = windows()[index];
+  if (!w.cycles_on.load(std::memory_order_relaxed)) return;
+  std::lock_guard<std::mutex> lock(w.mu);
+  w.cycles.cycle_started(static_cast<std::size_t>(std::max<std::int64_t>(w.live.load(), 0)));
 }
 
 // Free memory an allocation could still get on `index`: the driver's free memory plus what torch caches
@@ -104,6 +131,13 @@ DeviceMemoryView cuda_memory_view(DeviceState& state, const VramBudget& budget) 
     const std::size_t window_peak = bytes(w.peak.load());
     view.peak = steady_peak(window_peak, bytes(w.start.load()), bytes(w.live.load()));
     view.held_since = view.peak - window_peak;
+    if (state.vram_peak() == VramPeak::kCycles && w.cycles_on.load()) {
+      PeakWindow& cw = windows()[index];
+      std::lock_guard<std::mutex> lock(cw.mu);
+      view.peak = cw.cycles.predicted();
+      view.held_since = cw.cycles.held_since_start();
+      view.cycles = true;
+    }
   } else {  // no window yet (a plan before any training forward cannot happen; kept for safety)
     view.peak = static_cast<std::size_t>(alloc::getDeviceStats(index).requested_bytes[kAggregate].peak);
   }
@@ -162,7 +196,7 @@ void on_out_of_memory(int64_t device, size_t /*alloc*/, size_t /*allowed*/, size
 }  // namespace
 
 void install_cuda_memory_probe() {
-  DeviceState::set_memory_resolver(&cuda_memory_view, &start_window);
+  DeviceState::set_memory_resolver(&cuda_memory_view, &start_window, &mark_cycle);
 }
 
 }  // namespace layerstream::torchglue

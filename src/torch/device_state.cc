@@ -114,6 +114,7 @@ DeviceState::DeviceState(const c10::Device& device, Mode mode) : device_(device)
   lookahead_layers_ = settings->prefetch_layers;
   ring_policy_ = settings->ring_policy;
   vram_budget_ = settings->vram_budget;
+  vram_peak_ = settings->vram_peak;
   ring_fixed_ = settings->ring_bytes.has_value();
   pool_ = std::make_shared<HostPool>();
   ArenaOptions arena;

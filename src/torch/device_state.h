@@ -71,6 +71,7 @@ class HostBlockRef {
 struct DeviceMemoryView {
   std::size_t limit = 0;  // bytes the process may use ("auto": free + its own reserved, under torch's fraction)
   std::size_t peak = 0;   // the most the process has held (torch's peak reserved on CUDA)
+  bool cycles = false;  // measured by LAYERSTREAM_VRAM_PEAK=cycles (CyclePeaks), not the window
   std::size_t held_since = 0;  // of `peak`: what the step made after its own peak and still holds (steady_peak)
 };
 
@@ -151,7 +152,9 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // attach, text encoders, samples) does not count as the training step's.
   using MemoryResolver = std::function<DeviceMemoryView(DeviceState&, const VramBudget&)>;
   using PeakWindowStarter = std::function<void(DeviceState&)>;
-  static void set_memory_resolver(MemoryResolver resolver, PeakWindowStarter start_peak_window);
+  using CycleMarker = std::function<void(DeviceState&)>;  // a training step's first forward (a new cycle)
+  static void set_memory_resolver(MemoryResolver resolver, PeakWindowStarter start_peak_window,
+                                  CycleMarker mark_cycle);
 
   // Memory pressure: an allocation of the process found no room (torch's allocator runs its free-memory
   // callbacks; the simulator its pressure hook). Gives back the resident copies no lease holds, so that the
@@ -174,6 +177,9 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // cache miss of torch's allocator there gives every resident layer back (the allocation's size is not
   // known to the allocator's callbacks), and the plan is made again without more headroom.
   bool in_training_step() const { return in_step_.load(); }
+  // Whether the layer use being observed is a training step's first (LAYERSTREAM_VRAM_PEAK=cycles' window).
+  bool step_began_at_this_use() const { return step_began_.load(); }
+  VramPeak vram_peak() const { return vram_peak_; }
   // Called by a layer's backward: queues, once per backward pass (autograd graph task), the end of the step.
   void note_backward_pass();
 
@@ -245,6 +251,8 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   std::atomic<std::size_t> gap_pressure_threshold_{0};
   std::atomic<bool> pressure_between_steps_{false};  // the pending yield came from between two steps
   std::atomic<bool> in_step_{false};                 // in_training_step()
+  std::atomic<bool> step_began_{false};              // step_began_at_this_use()
+  VramPeak vram_peak_ = VramPeak::kWindow;           // LAYERSTREAM_VRAM_PEAK
   std::atomic<int> step_task_{-1};                   // the graph task whose end-of-step callback is queued
   std::unordered_set<const void*> planned_resident_;
   std::unordered_set<LayerId> fresh_each_use_;  // note_use(): layers never copied ahead of need

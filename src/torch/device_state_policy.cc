@@ -28,18 +28,38 @@ DeviceState::PeakWindowStarter& peak_window_starter() {
   static auto* s = new DeviceState::PeakWindowStarter();
   return *s;
 }
+DeviceState::CycleMarker& cycle_marker() {
+  static auto* m = new DeviceState::CycleMarker();
+  return *m;
+}
+
+// What the plan's peak measured, for its INFO line: " MiB in ... (...": the caller closes the parenthesis.
+std::string describe_peak(const DeviceMemoryView& view) {
+  const char* what = view.cycles ? " MiB in a training cycle (the most a cycle rose and fell, on the current "
+                                   "cycle's start; LAYERSTREAM_VRAM_PEAK=cycles"
+                                 : " MiB in the training step (from its first forward";
+  const char* held = view.cycles ? " MiB of it held since the first cycle, such as the optimizer's state"
+                                 : " MiB of it made after the step's own peak and still held, such as the "
+                                   "optimizer's state";
+  return detail::concat(what, "; what the process held before is not counted",
+                        view.held_since > 0 ? detail::concat("; ", view.held_since / kMiB, held) : std::string());
+}
 
 }  // namespace
 
-void DeviceState::set_memory_resolver(MemoryResolver resolver, PeakWindowStarter start_peak_window) {
+void DeviceState::set_memory_resolver(MemoryResolver resolver, PeakWindowStarter start_peak_window,
+                                      CycleMarker mark_cycle) {
   memory_resolver() = std::move(resolver);
   peak_window_starter() = std::move(start_peak_window);
+  cycle_marker() = std::move(mark_cycle);
 }
 
 void DeviceState::note_use(LayerId layer, bool fresh_each_use) {
   // A forward with grad enabled starts (or continues) a training step; a pass without grad (a sample, a
   // frozen teacher inside a step) leaves the flag as it is.
-  if (at::GradMode::is_enabled() || GradForwardScope::active()) in_step_ = true;
+  const bool began = (at::GradMode::is_enabled() || GradForwardScope::active()) && !in_step_.exchange(true);
+  step_began_ = began;
+  if (began && cycle_marker()) cycle_marker()(*this);
   const UseOutcome outcome = observe_and_prefetch(layer, fresh_each_use);
   if (!outcome.prefetch_error.empty()) {
     log_once("prefetch-failed", LogLevel::kWarning,
@@ -276,13 +296,7 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
                                budget.stay_copied / kMiB, " -> ", plan.copied_bytes / kMiB, " MiB)")
               : std::string();
   return detail::concat("layerstream VRAM budget on ", describe(), ": ", view.limit / kMiB, " MiB",
-                        vram_budget_.automatic ? " (auto)" : "", ", peak ", view.peak / kMiB,
-                        " MiB in the training step (from its first forward; what the process held before is not "
-                        "counted",
-                        view.held_since > 0 ? detail::concat("; ", view.held_since / kMiB,
-                                                             " MiB of it made after the step's own peak and still "
-                                                             "held, such as the optimizer's state")
-                                            : std::string(),
+                        vram_budget_.automatic ? " (auto)" : "", ", peak ", view.peak / kMiB, describe_peak(view),
                         "), ", headroom_.permille() / 10, "% headroom: ", kept, " layers (", kept_bytes / kMiB,
                         " MiB) stay on the device, ", streamed, " stream", ring_note,
                         not_copied > 0 ? detail::concat(" (", not_copied, " of them planned to stay, but their "

@@ -88,6 +88,13 @@ void parse_ring_policy(Settings& s, const std::string& n, const std::string& t) 
   s.ring_policy = t == "lru" ? RingPolicy::kLeastRecentlyUsed : RingPolicy::kFifo;
 }
 
+void parse_vram_peak(Settings& s, const std::string& n, const std::string& t) {
+  LS_CHECK_ARG(t == "window" || t == "cycles", n, "=", t,
+               " is not understood; give window (the default: the first steps' window) or cycles (each training "
+               "cycle's rise, experimental)");
+  s.vram_peak = t == "cycles" ? VramPeak::kCycles : VramPeak::kWindow;
+}
+
 void parse_host_dtype(Settings& s, const std::string& n, const std::string& t) {
   if (t == "same") s.host_dtype = HostDtype::kSame;
   else if (t == "lossless") s.host_dtype = HostDtype::kLossless;
@@ -147,6 +154,7 @@ const std::vector<Entry>& entries() {
        [](Settings& s, const std::string& n, const std::string& t) { s.resident_bytes = mib(n, t, true, "4096"); }},
       {"LAYERSTREAM_VRAM_BUDGET",
        [](Settings& s, const std::string&, const std::string& t) { s.vram_budget = VramBudget::parse(t.c_str()); }},
+      {"LAYERSTREAM_VRAM_PEAK", &parse_vram_peak},
       {"LAYERSTREAM_HOST_DTYPE", &parse_host_dtype},
       {"LAYERSTREAM_SHARE_HOST", &parse_share_host},
       {"LAYERSTREAM_SHARE_TIMEOUT_S", &parse_share_timeout},

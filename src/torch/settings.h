@@ -40,6 +40,7 @@ constexpr unsigned kMostDecodeBlocks = 1u << 16;  // LAYERSTREAM_DECODE_BLOCKS: 
 enum class CpuBackend { kCpu, kSim };  // LAYERSTREAM_BACKEND: how a CPU process device runs
 enum class HostDtype { kSame, kLossless, kFloat8E4M3, kFloat8E5M2 };
 enum class ShareHost { kAuto, kOn, kOff };
+enum class VramPeak { kWindow, kCycles };  // LAYERSTREAM_VRAM_PEAK: how the budget measures a step's peak
 
 struct Settings {
   CpuBackend backend = CpuBackend::kCpu;           // LAYERSTREAM_BACKEND
@@ -49,6 +50,7 @@ struct Settings {
   std::size_t prefetch_layers = 8;                 // LAYERSTREAM_PREFETCH_LAYERS
   std::size_t resident_bytes = 0;                  // LAYERSTREAM_RESIDENT_MB
   VramBudget vram_budget;                          // LAYERSTREAM_VRAM_BUDGET
+  VramPeak vram_peak = VramPeak::kWindow;          // LAYERSTREAM_VRAM_PEAK
   HostDtype host_dtype = HostDtype::kSame;         // LAYERSTREAM_HOST_DTYPE
   ShareHost share_host = ShareHost::kAuto;         // LAYERSTREAM_SHARE_HOST
   double share_timeout_s = 600;                    // LAYERSTREAM_SHARE_TIMEOUT_S

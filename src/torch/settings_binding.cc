@@ -55,6 +55,7 @@ py::dict settings_dict() {
   d["vram_budget"] = !s->vram_budget.enabled ? py::none()
                      : s->vram_budget.automatic ? py::cast("auto")
                                                 : py::cast(s->vram_budget.bytes);
+  d["vram_peak"] = s->vram_peak == VramPeak::kCycles ? "cycles" : "window";
   d["host_dtype"] = host_dtype_name(s->host_dtype);
   d["share_host"] = s->share_host == ShareHost::kAuto ? "auto" : s->share_host == ShareHost::kOn ? "on" : "off";
   d["share_timeout_s"] = s->share_timeout_s;

@@ -83,6 +83,69 @@ TEST(VramBudget, TheSteadyPeakAddsWhatTheWindowLeftHeldAndNothingForWhatItFreed)
   EXPECT_EQ(steady_peak(6144 * kMiB, 1000 * kMiB, 1000 * kMiB), 6144 * kMiB);
 }
 
+TEST(VramBudget, ACyclesRiseCountsTheOptimizersTemporariesNotItsStateNorAYieldsRelease) {
+  CyclePeaks p;
+  p.cycle_started(500 * kMiB);  // before the window: nothing
+  // Step 1 begins with 1000 MiB held; its backward peaks at 4000; the optimizer's step then makes 1200 MiB
+  // of state and 1500 of temporaries on top (a peak of 3700 between steps).
+  p.start(1000 * kMiB, /*at_cycle_start=*/true);
+  p.on_live(4000 * kMiB);
+  EXPECT_EQ(p.predicted(), 4000 * kMiB);
+  p.on_live(1000 * kMiB);
+  p.on_live(3700 * kMiB);
+  p.on_live(2200 * kMiB);
+  // Step 2 begins with the state held: the first cycle rose 3000 above its start, none of it the state.
+  p.cycle_started(2200 * kMiB);
+  EXPECT_EQ(p.predicted(), (3000 + 2200) * kMiB);
+  EXPECT_EQ(p.held_since_start(), 1200 * kMiB);
+  p.on_live(4200 * kMiB);  // halfway through its forward: nothing counted twice
+  EXPECT_EQ(p.predicted(), 5200 * kMiB);
+  // Its optimizer's temporaries (1500) rise above its own start: a rise of 2000 so far, 3000 stays the most.
+  p.on_live(3700 * kMiB);
+  p.on_live(2200 * kMiB);  // they fall again: a rise of 2000 in this cycle
+  p.cycle_started(2200 * kMiB);
+  p.on_live(10200 * kMiB);  // a plan's residents uploaded in this cycle, then given back in its gap
+  p.on_live(2200 * kMiB);
+  p.cycle_started(2200 * kMiB);
+  EXPECT_EQ(p.predicted(), (8000 + 2200) * kMiB);  // held inside a cycle, they count: a plan leaves them room
+  // The user's 4 GiB, taken between steps and held into the next: the next start, not a rise.
+  CyclePeaks q;
+  q.start(1000 * kMiB, true);
+  q.on_live(3000 * kMiB);
+  q.on_live(1000 * kMiB);
+  q.on_live(5096 * kMiB);
+  q.cycle_started(5096 * kMiB);
+  EXPECT_EQ(q.predicted(), (2000 + 5096) * kMiB);
+  // Freed since (the user gave it back): a lower start, the same rise.
+  q.on_live(1000 * kMiB);
+  q.cycle_started(1000 * kMiB);
+  EXPECT_EQ(q.predicted(), 3000 * kMiB);
+  // A cycle that begins with 8000 MiB of resident layers and gives them back between steps: no rise.
+  q.on_live(9000 * kMiB);
+  q.cycle_started(9000 * kMiB);
+  q.on_live(10000 * kMiB);
+  q.on_live(9000 * kMiB);
+  q.on_live(1000 * kMiB);
+  q.cycle_started(1000 * kMiB);
+  EXPECT_EQ(q.predicted(), 3000 * kMiB);
+}
+
+TEST(VramBudget, ACycleWindowBegunInsideAStepKeepsThatPeakAsTheLeast) {
+  CyclePeaks p;
+  p.start(5000 * kMiB, /*at_cycle_start=*/false);  // 3000 of the 5000 are this step's activations
+  p.on_live(8000 * kMiB);
+  EXPECT_EQ(p.predicted(), 8000 * kMiB);
+  p.on_live(2000 * kMiB);
+  p.cycle_started(2000 * kMiB);
+  p.on_live(6000 * kMiB);
+  EXPECT_EQ(p.predicted(), 8000 * kMiB);  // the next full cycle rose 4000 so far: the partial peak stays
+  p.on_live(10500 * kMiB);
+  p.on_live(2000 * kMiB);
+  p.cycle_started(2000 * kMiB);
+  EXPECT_EQ(p.predicted(), 10500 * kMiB);
+  EXPECT_EQ(p.held_since_start(), 0u);
+}
+
 TEST(VramBudget, TheRoomIsTheLimitLessThePeakWithoutTheRingAndTheHeadroom) {
   BudgetHeadroom h;
   EXPECT_EQ(h.threshold(), 0u);
