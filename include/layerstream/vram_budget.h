@@ -53,33 +53,45 @@ std::vector<std::size_t> candidate_rings(std::size_t current, std::size_t larges
 // gaps' own rise, without counting a yield's release as one, is to be shown on the GPU before it replaces this.
 std::size_t steady_peak(std::size_t window_peak, std::size_t live_at_start, std::size_t live_now);
 
-// The other measure (LAYERSTREAM_VRAM_PEAK=cycles; not the default until the GPU shows it): the peak of a
-// training cycle, from one step's first forward to the next's (the forward, the backward, the optimizer's
-// step, a sample, the next bucket's inputs): the most any cycle held above what it began with and let go of
-// again within it (its activations, the optimizer's temporaries), on top of what the current cycle began
-// with. What a cycle keeps for the next (the optimizer's state made at the first step, the user's tensors)
-// is in the next cycle's start, not a rise; a release of what it began with (resident layers given back)
-// is no rise either. A window begun inside a step (a plan again after a yield there)
-// keeps that partial cycle's peak, as it is, as the least it predicts.
+// The other measure (LAYERSTREAM_VRAM_PEAK=cycles; not the default until the GPU shows it): the peaks of a
+// training cycle, from one step's first forward to the next's, in two parts: the step (its forward and
+// backward) and the gap after its backward (the optimizer's step, a sample, the next bucket's inputs). Each
+// part's rise is the most it held above what the cycle began with; the gap's rise less what the cycle kept
+// for the next (its start is higher by it: the optimizer's state made at the first step, the user's
+// tensors), so that what is kept is counted once, in the next cycle's start. A release of what the cycle
+// began with (resident layers given back) is no rise. The predicted peaks are the most risen over the
+// cycles that ended and the current one so far, on top of what the current cycle began with; the plan
+// leaves the headroom free at the step's peak and the gap's quarter free at the gap's (BudgetHeadroom), so
+// that the allocations of a gap seen before never find the device short. A window begun inside a step (a
+// plan again after a yield there) keeps that partial cycle's peaks, as they are, as the least it predicts.
 // Not thread-safe: its owner serializes the calls (the CUDA glue: one leaf lock per device).
 class CyclePeaks {
  public:
   void start(std::size_t live, bool at_cycle_start);  // the window begins, `live` bytes held
-  void cycle_started(std::size_t live);              // a training step's first forward
+  void cycle_started(std::size_t live);              // a training step's first forward (outside a backward)
+  void backward_ended();                             // the step's backward is over: the gap begins
+  void forward_resumed();                            // a training forward in the gap (a reentrant recompute)
   void on_live(std::size_t live);                    // after each allocation and each free
-  std::size_t predicted() const;
+  std::size_t predicted() const;                     // the step's peak
+  std::size_t predicted_gap() const;                 // the gap's peak; 0 before any gap was seen
   std::size_t held_since_start() const;  // how much more the current cycle began with than the window did
 
  private:
   bool started_ = false;
   bool partial_first_ = false;  // the window began inside a cycle, whose start is unknown
+  bool in_gap_ = false;
+  bool gap_seen_ = false;
   std::size_t cycles_begun_ = 0;
   std::size_t first_base_ = 0;
-  std::size_t base_ = 0;        // held when the current cycle began
-  std::size_t most_above_ = 0;  // the most held above base_ in the current cycle
-  std::size_t drop_ = 0;        // the largest fall from a height above base_ to a later one (floored at base_)
-  std::size_t most_rise_ = 0;   // the largest drop_ over the cycles that ended
-  std::size_t partial_peak_ = 0;
+  std::size_t base_ = 0;          // held when the current cycle began
+  std::size_t step_above_ = 0;    // the most held above base_ in the current cycle's step
+  std::size_t gap_above_ = 0;     // the most held above base_ in the current cycle's gap
+  std::size_t most_step_ = 0;     // the largest step rise over the cycles that ended
+  std::size_t most_gap_ = 0;      // the largest gap rise (less what its cycle kept) over the cycles that ended
+  std::size_t step_held_ = 0;     // the most held in the current cycle's step, and in its gap
+  std::size_t gap_held_ = 0;
+  std::size_t partial_step_ = 0;  // the partial first cycle's, kept
+  std::size_t partial_gap_ = 0;
 };
 
 // The plan for one step's record: the ring and resident layers (plan_ring_and_residency over the
@@ -141,7 +153,9 @@ class BudgetHeadroom {
   };
   // Room for the ring and resident layers on a device the process may use `limit` bytes of, whose step
   // peaked at `peak` with a ring of `ring` (the ring is counted again in the plan). Sets the threshold.
-  Room room_for(std::size_t limit, std::size_t peak, std::size_t ring);
+  // `gap_peak` (0: not measured): the peak between steps (CyclePeaks), at which the plan also leaves the
+  // gap's quarter free, so that no allocation seen there before is taken for pressure (gap_threshold()).
+  Room room_for(std::size_t limit, std::size_t peak, std::size_t ring, std::size_t gap_peak = 0);
   // An allocation that found no cached block is pressure inside a step when less than half the headroom
   // is free (the plan's own peak leaves all of it free), and between steps when less than a quarter of the
   // limit is free: the plan knows nothing of what is asked there (a sample, a text encoder, the user's own
@@ -159,7 +173,10 @@ class BudgetHeadroom {
   // every step; one between steps sets it to a quarter at once, the room a gap then finds, so that the
   // next sample or optimizer step does not yield again (seen on the H200, 2026-12-01: a yield at every
   // gap, each one emptying torch's cache for the next).
-  void after_yield(bool between_steps);
+  // `gap_measured`: the plan measured the gaps (CyclePeaks) and left their quarter free: a yield between
+  // steps then came from something no gap held before (the user's tensors, a text encoder), which the next
+  // plan measures; the headroom at the step's peak stays.
+  void after_yield(bool between_steps, bool gap_measured = false);
   std::size_t permille() const { return permille_; }
 
  private:

@@ -20,37 +20,55 @@ void CyclePeaks::start(std::size_t live, bool at_cycle_start) {
   *this = CyclePeaks();
   started_ = true;
   partial_first_ = !at_cycle_start;
-  first_base_ = base_ = live;
+  first_base_ = base_ = step_held_ = live;
 }
 
 void CyclePeaks::cycle_started(std::size_t live) {
   if (!started_) return;
   on_live(live);  // the cycle ends where the next begins
+  const std::size_t kept = live > base_ ? live - base_ : 0;
   if (partial_first_ && cycles_begun_ == 0) {
-    partial_peak_ = base_ + most_above_;  // its start is unknown: its peak as it is, no rise
+    partial_step_ = step_held_;  // its start is unknown: its peaks as they are
+    partial_gap_ = gap_held_;
   } else {
-    most_rise_ = std::max(most_rise_, drop_);
+    most_step_ = std::max(most_step_, step_above_);
+    most_gap_ = std::max(most_gap_, gap_above_ > kept ? gap_above_ - kept : 0);
   }
+  gap_seen_ = gap_seen_ || in_gap_;
   ++cycles_begun_;
   base_ = live;
-  most_above_ = drop_ = 0;
+  step_above_ = gap_above_ = gap_held_ = 0;
+  step_held_ = live;
+  in_gap_ = false;
 }
+
+void CyclePeaks::backward_ended() {
+  if (started_) in_gap_ = true;
+}
+
+void CyclePeaks::forward_resumed() { in_gap_ = false; }
 
 void CyclePeaks::on_live(std::size_t live) {
   if (!started_) return;
-  // Above the cycle's start only: a release of what the cycle began with (resident layers given back) is no
-  // fall from a rise. A rise is what the cycle held and then let go of again (a fall after it), so that
-  // what it keeps for the next (the optimizer's state) is not counted as a rise but as the next start.
+  // Above the cycle's start only: a release of what the cycle began with is no rise.
   const std::size_t above = live > base_ ? live - base_ : 0;
-  most_above_ = std::max(most_above_, above);
-  drop_ = std::max(drop_, most_above_ - above);
+  std::size_t& most = in_gap_ ? gap_above_ : step_above_;
+  most = std::max(most, above);
+  std::size_t& held = in_gap_ ? gap_held_ : step_held_;
+  held = std::max(held, live);
 }
 
 std::size_t CyclePeaks::predicted() const {
-  if (partial_first_ && cycles_begun_ == 0) return base_ + most_above_;
-  // The current cycle's rise so far counts whole (it may yet fall).
-  const std::size_t from_cycles = std::max(most_rise_, most_above_) + base_;
-  return partial_first_ ? std::max(from_cycles, partial_peak_) : from_cycles;
+  const std::size_t from_cycles = base_ + std::max(most_step_, step_above_);
+  return partial_first_ ? std::max(from_cycles, partial_step_) : from_cycles;
+}
+
+std::size_t CyclePeaks::predicted_gap() const {
+  // The current cycle's gap so far counts whole: what it keeps for the next is not known yet.
+  const bool seen = gap_seen_ || in_gap_ || partial_gap_ > 0;
+  if (!seen) return 0;
+  const std::size_t from_cycles = base_ + std::max(most_gap_, gap_above_);
+  return std::max(from_cycles, partial_gap_);
 }
 
 std::size_t CyclePeaks::held_since_start() const { return base_ > first_base_ ? base_ - first_base_ : 0; }
@@ -129,21 +147,30 @@ std::vector<LayerId> BudgetRecorder::take_uses() {
   return out;
 }
 
-BudgetHeadroom::Room BudgetHeadroom::room_for(std::size_t limit, std::size_t peak, std::size_t ring) {
+BudgetHeadroom::Room BudgetHeadroom::room_for(std::size_t limit, std::size_t peak, std::size_t ring,
+                                              std::size_t gap_peak) {
   Room r;
   r.headroom = limit / 1000 * permille_;
   threshold_ = r.headroom / 2;
   gap_threshold_ = limit / 1000 * kMostHeadroomPermille;
   // The ring and the resident copies share what the process may hold beyond its peak without the ring.
-  const std::size_t others = peak > ring ? peak - ring : 0;
-  r.room = limit > others + r.headroom ? limit - others - r.headroom : 0;
+  const auto room_at = [&](std::size_t at, std::size_t free_there) {
+    const std::size_t others = at > ring ? at - ring : 0;
+    return limit > others + free_there ? limit - others - free_there : 0;
+  };
+  r.room = room_at(peak, r.headroom);
+  if (gap_peak > 0) r.room = std::min(r.room, room_at(gap_peak, gap_threshold_));
   return r;
 }
 
-void BudgetHeadroom::after_yield(bool between_steps) {
+void BudgetHeadroom::after_yield(bool between_steps, bool gap_measured) {
   threshold_ = 0;
   gap_threshold_ = 0;
-  permille_ = between_steps ? kMostHeadroomPermille : std::min(permille_ * 2, kMostHeadroomPermille);
+  if (between_steps) {
+    if (!gap_measured) permille_ = kMostHeadroomPermille;
+  } else {
+    permille_ = std::min(permille_ * 2, kMostHeadroomPermille);
+  }
 }
 
 }  // namespace layerstream

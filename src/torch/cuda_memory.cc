@@ -91,14 +91,21 @@ void start_window(DeviceState& state) {
   w.on = true;
 }
 
-// A training step's first forward on `state`'s device: a new cycle for LAYERSTREAM_VRAM_PEAK=cycles.
-void mark_cycle(DeviceState& state) {
+// A training cycle's event on `state`'s device (LAYERSTREAM_VRAM_PEAK=cycles): a step's first forward, the
+// end of its backward, a forward inside a backward.
+void mark_cycle(DeviceState& state, DeviceState::CycleEvent event) {
   const c10::DeviceIndex index = state.device().index();
   if (index < 0 || index >= kMostDevices) return;
   PeakWindow& w = windows()[index];
   if (!w.cycles_on.load(std::memory_order_relaxed)) return;
   std::lock_guard<std::mutex> lock(w.mu);
-  w.cycles.cycle_started(static_cast<std::size_t>(std::max<std::int64_t>(w.live.load(), 0)));
+  switch (event) {
+    case DeviceState::CycleEvent::kStepStarted:
+      w.cycles.cycle_started(static_cast<std::size_t>(std::max<std::int64_t>(w.live.load(), 0)));
+      break;
+    case DeviceState::CycleEvent::kBackwardEnded: w.cycles.backward_ended(); break;
+    case DeviceState::CycleEvent::kForwardResumed: w.cycles.forward_resumed(); break;
+  }
 }
 
 // Free memory an allocation could still get on `index`: the driver's free memory plus what torch caches
@@ -136,6 +143,7 @@ DeviceMemoryView cuda_memory_view(DeviceState& state, const VramBudget& budget) 
       std::lock_guard<std::mutex> lock(cw.mu);
       view.peak = cw.cycles.predicted();
       view.held_since = cw.cycles.held_since_start();
+      view.gap_peak = cw.cycles.predicted_gap();
       view.cycles = true;
     }
   } else {  // no window yet (a plan before any training forward cannot happen; kept for safety)
@@ -175,7 +183,7 @@ class YieldToPressure : public c10::FreeMemoryCallback {
         measured = true;
       }
       if (BudgetHeadroom::is_pressure(threshold, state->gap_pressure_threshold(), between_steps, room)) {
-        freed = state->yield_for_pressure(std::numeric_limits<std::size_t>::max(), between_steps) || freed;
+        freed = state->yield_for_pressure(std::numeric_limits<std::size_t>::max(), between_steps, room) || freed;
       }
     }
     return freed;
@@ -185,11 +193,11 @@ class YieldToPressure : public c10::FreeMemoryCallback {
 // An allocation that failed all the same (inside a step, larger than the room the plan left): the resident
 // layers are given back now, so that the caller's next try finds their memory (AI-Toolkit's trainer catches
 // an out-of-memory error in a step, empties the cache and goes on with the next step).
-void on_out_of_memory(int64_t device, size_t /*alloc*/, size_t /*allowed*/, size_t /*free*/) {
+void on_out_of_memory(int64_t device, size_t /*alloc*/, size_t /*allowed*/, size_t free_bytes) {
   for (const auto& state : DeviceState::live()) {
     if (state->mode() != Mode::kCuda || state->device().index() != device) continue;
     if (state->pressure_threshold() == 0) continue;
-    (void)state->yield_for_pressure(std::numeric_limits<std::size_t>::max());
+    (void)state->yield_for_pressure(std::numeric_limits<std::size_t>::max(), false, free_bytes);
   }
 }
 

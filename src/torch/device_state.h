@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -73,6 +74,7 @@ struct DeviceMemoryView {
   std::size_t peak = 0;   // the most the process has held (torch's peak reserved on CUDA)
   bool cycles = false;  // measured by LAYERSTREAM_VRAM_PEAK=cycles (CyclePeaks), not the window
   std::size_t held_since = 0;  // of `peak`: what the step made after its own peak and still holds (steady_peak)
+  std::size_t gap_peak = 0;    // the peak between steps (cycles only; 0: not measured)
 };
 
 // How a quantized or packed layer's weight was rebuilt for one use: into its ring region's scratch, found
@@ -152,7 +154,11 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // attach, text encoders, samples) does not count as the training step's.
   using MemoryResolver = std::function<DeviceMemoryView(DeviceState&, const VramBudget&)>;
   using PeakWindowStarter = std::function<void(DeviceState&)>;
-  using CycleMarker = std::function<void(DeviceState&)>;  // a training step's first forward (a new cycle)
+  // The training cycle's events for LAYERSTREAM_VRAM_PEAK=cycles (CyclePeaks): a step's first forward (outside
+  // any backward: a new cycle), the end of its backward (the gap begins), a training forward inside a
+  // backward after a nested one ended (a reentrant checkpoint's recompute: the step goes on).
+  enum class CycleEvent { kStepStarted, kBackwardEnded, kForwardResumed };
+  using CycleMarker = std::function<void(DeviceState&, CycleEvent)>;
   static void set_memory_resolver(MemoryResolver resolver, PeakWindowStarter start_peak_window,
                                   CycleMarker mark_cycle);
 
@@ -163,8 +169,10 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // layer in use). Never waits for the state's lock: returns false when it is taken (the caller is
   // layerstream itself, allocating) or when nothing was given back.
   // `between_steps`: the yield was not the plan's fault (an allocation between training steps), so the next
-  // plan keeps its headroom.
-  bool yield_for_pressure(std::size_t want, bool between_steps = false);
+  // plan keeps its headroom. `free_bytes`: what an allocation could still get then (SIZE_MAX: not known),
+  // for the log line that reports the yield.
+  bool yield_for_pressure(std::size_t want, bool between_steps = false,
+                          std::size_t free_bytes = std::numeric_limits<std::size_t>::max());
   // The free device memory under which a cache miss of torch's allocator inside a training step counts as
   // pressure: half the headroom the budget's last plan left (the plan expects the step's peak to leave all
   // of it free, so a miss at the planned peak is not pressure); 0 before a plan: nothing to give back.
@@ -250,6 +258,7 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   std::atomic<std::size_t> pressure_threshold_{0};
   std::atomic<std::size_t> gap_pressure_threshold_{0};
   std::atomic<bool> pressure_between_steps_{false};  // the pending yield came from between two steps
+  std::atomic<std::size_t> pressure_free_{std::numeric_limits<std::size_t>::max()};  // free at the last yield
   std::atomic<bool> in_step_{false};                 // in_training_step()
   std::atomic<bool> step_began_{false};              // step_began_at_this_use()
   VramPeak vram_peak_ = VramPeak::kWindow;           // LAYERSTREAM_VRAM_PEAK

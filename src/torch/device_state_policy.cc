@@ -42,7 +42,10 @@ std::string describe_peak(const DeviceMemoryView& view) {
                                  : " MiB of it made after the step's own peak and still held, such as the "
                                    "optimizer's state";
   return detail::concat(what, "; what the process held before is not counted",
-                        view.held_since > 0 ? detail::concat("; ", view.held_since / kMiB, held) : std::string());
+                        view.held_since > 0 ? detail::concat("; ", view.held_since / kMiB, held) : std::string(),
+                        view.gap_peak > 0 ? detail::concat("; ", view.gap_peak / kMiB, " MiB between steps, where a "
+                                                           "quarter is left free")
+                                          : std::string());
 }
 
 }  // namespace
@@ -57,9 +60,15 @@ void DeviceState::set_memory_resolver(MemoryResolver resolver, PeakWindowStarter
 void DeviceState::note_use(LayerId layer, bool fresh_each_use) {
   // A forward with grad enabled starts (or continues) a training step; a pass without grad (a sample, a
   // frozen teacher inside a step) leaves the flag as it is.
-  const bool began = (at::GradMode::is_enabled() || GradForwardScope::active()) && !in_step_.exchange(true);
+  // A training step begins at its first forward outside any backward; one inside a backward (a reentrant
+  // checkpoint's recompute, after its nested backward ended) goes on with the step.
+  const bool grad = at::GradMode::is_enabled() || GradForwardScope::active();
+  const bool resumed = grad && !in_step_.exchange(true);  // the first training forward since a backward ended
+  const bool began = resumed && torch::autograd::get_current_graph_task_id() < 0;
   step_began_ = began;
-  if (began && cycle_marker()) cycle_marker()(*this);
+  if (resumed && cycle_marker()) {
+    cycle_marker()(*this, began ? CycleEvent::kStepStarted : CycleEvent::kForwardResumed);
+  }
   const UseOutcome outcome = observe_and_prefetch(layer, fresh_each_use);
   if (!outcome.prefetch_error.empty()) {
     log_once("prefetch-failed", LogLevel::kWarning,
@@ -84,13 +93,14 @@ void DeviceState::note_use(LayerId layer, bool fresh_each_use) {
   if (!report.empty()) log(view.limit == 0 ? LogLevel::kWarning : LogLevel::kInfo, report);
 }
 
-bool DeviceState::yield_for_pressure(std::size_t want, bool between_steps) {
+bool DeviceState::yield_for_pressure(std::size_t want, bool between_steps, std::size_t free_bytes) {
   std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
   if (!lock.owns_lock() || !engine_) return false;
   const std::size_t freed = engine_->yield_resident(want);
   if (freed == 0) return false;
   ++pressure_yields_;
   pressure_yielded_bytes_ += freed;
+  pressure_free_ = free_bytes;
   pressure_threshold_ = 0;  // until the next plan: nothing more to give back
   gap_pressure_threshold_ = 0;
   // A yield inside a step says the plan left too little; one between steps says nothing about the plan.
@@ -107,6 +117,7 @@ void DeviceState::note_backward_pass() {
     if (auto state = weak.lock()) {
       state->in_step_ = false;
       state->step_task_ = -1;
+      if (cycle_marker()) cycle_marker()(*state, CycleEvent::kBackwardEnded);
     }
   });
 }
@@ -114,7 +125,11 @@ void DeviceState::note_backward_pass() {
 std::string DeviceState::replan_after_pressure_locked() {
   const std::string given = detail::concat("layerstream: an allocation of this process ",
                                            pressure_between_steps_.load() ? "between training steps" : "inside a training step",
-                                           " found no room on ", describe(), ": resident layers gave their memory back (",
+                                           " found no room on ", describe(),
+                                           pressure_free_.load() != std::numeric_limits<std::size_t>::max()
+                                               ? detail::concat(" (", pressure_free_.load() / kMiB, " MiB free)")
+                                               : std::string(),
+                                           ": resident layers gave their memory back (",
                                            pressure_yielded_bytes_.load() / kMiB, " MiB over ", pressure_yields_.load(),
                                            " time(s) so far); they stream now");
   if (!vram_budget_.enabled) return given;
@@ -122,7 +137,7 @@ std::string DeviceState::replan_after_pressure_locked() {
   // still held); after a yield inside a step with more headroom each time, so that a process whose peak
   // keeps growing does not yield at every step. A yield between steps (a sample, the user's tensors) keeps
   // the headroom: the next plan measures the step again.
-  headroom_.after_yield(pressure_between_steps_.exchange(false));
+  headroom_.after_yield(pressure_between_steps_.exchange(false), vram_peak_ == VramPeak::kCycles);
   recorder_.unplan();
   planned_resident_.clear();
   budget_room_ = 0;
@@ -236,7 +251,7 @@ std::optional<std::size_t> DeviceState::layer_bytes_locked(LayerId layer, bool i
 std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) {
   if (view.limit == 0) return "LAYERSTREAM_VRAM_BUDGET is set but nothing reports device memory here; ignored";
   const std::size_t ring = engine_->ring_capacity();
-  const BudgetHeadroom::Room room = headroom_.room_for(view.limit, view.peak, ring);
+  const BudgetHeadroom::Room room = headroom_.room_for(view.limit, view.peak, ring, view.gap_peak);
   pressure_threshold_ = headroom_.threshold();
   gap_pressure_threshold_ = headroom_.gap_threshold();
   std::vector<LayerId> ids;

@@ -83,51 +83,84 @@ TEST(VramBudget, TheSteadyPeakAddsWhatTheWindowLeftHeldAndNothingForWhatItFreed)
   EXPECT_EQ(steady_peak(6144 * kMiB, 1000 * kMiB, 1000 * kMiB), 6144 * kMiB);
 }
 
-TEST(VramBudget, ACyclesRiseCountsTheOptimizersTemporariesNotItsStateNorAYieldsRelease) {
+TEST(VramBudget, ACyclesStepAndGapRisesCountTheOptimizersTemporariesAndItsStateOnce) {
   CyclePeaks p;
   p.cycle_started(500 * kMiB);  // before the window: nothing
-  // Step 1 begins with 1000 MiB held; its backward peaks at 4000; the optimizer's step then makes 1200 MiB
-  // of state and 1500 of temporaries on top (a peak of 3700 between steps).
+  p.backward_ended();
+  EXPECT_EQ(p.predicted_gap(), 0u);
+  // Step 1 begins with 1000 MiB held; its backward peaks at 4000 (3000 of activations, 200 of them the
+  // gradients it leaves); the optimizer's step then makes 1200 MiB of state and 1500 of temporaries on top.
   p.start(1000 * kMiB, /*at_cycle_start=*/true);
   p.on_live(4000 * kMiB);
   EXPECT_EQ(p.predicted(), 4000 * kMiB);
-  p.on_live(1000 * kMiB);
-  p.on_live(3700 * kMiB);
-  p.on_live(2200 * kMiB);
-  // Step 2 begins with the state held: the first cycle rose 3000 above its start, none of it the state.
+  EXPECT_EQ(p.predicted_gap(), 0u);  // no gap seen yet
+  p.on_live(1200 * kMiB);
+  p.backward_ended();
+  p.on_live(2400 * kMiB);  // the state
+  p.on_live(3900 * kMiB);  // and the temporaries: the gap rose 2900 above the cycle's start
+  EXPECT_EQ(p.predicted_gap(), 3900 * kMiB);  // the cycle so far counts whole
+  p.on_live(2400 * kMiB);
+  p.on_live(2200 * kMiB);  // zero_grad frees the gradients
+  // Step 2 begins with the state held: the first cycle's step rose 3000, its gap 2900 less the 1200 it kept.
   p.cycle_started(2200 * kMiB);
   EXPECT_EQ(p.predicted(), (3000 + 2200) * kMiB);
+  EXPECT_EQ(p.predicted_gap(), (1700 + 2200) * kMiB);
   EXPECT_EQ(p.held_since_start(), 1200 * kMiB);
-  p.on_live(4200 * kMiB);  // halfway through its forward: nothing counted twice
+  p.on_live(4200 * kMiB);  // halfway through its forward (a smaller bucket): nothing counted twice
   EXPECT_EQ(p.predicted(), 5200 * kMiB);
-  // Its optimizer's temporaries (1500) rise above its own start: a rise of 2000 so far, 3000 stays the most.
-  p.on_live(3700 * kMiB);
-  p.on_live(2200 * kMiB);  // they fall again: a rise of 2000 in this cycle
-  p.cycle_started(2200 * kMiB);
-  p.on_live(10200 * kMiB);  // a plan's residents uploaded in this cycle, then given back in its gap
+  p.on_live(5700 * kMiB);  // its backward rises 3500: the most now
+  EXPECT_EQ(p.predicted(), 5700 * kMiB);
+  p.on_live(2400 * kMiB);
+  p.backward_ended();
+  p.on_live(3900 * kMiB);
   p.on_live(2200 * kMiB);
   p.cycle_started(2200 * kMiB);
-  EXPECT_EQ(p.predicted(), (8000 + 2200) * kMiB);  // held inside a cycle, they count: a plan leaves them room
+  EXPECT_EQ(p.predicted(), (3500 + 2200) * kMiB);
+  EXPECT_EQ(p.predicted_gap(), (1700 + 2200) * kMiB);
+  // A reentrant recompute: training forwards inside the backward after a nested backward ended.
+  p.on_live(3000 * kMiB);
+  p.backward_ended();
+  p.on_live(3100 * kMiB);  // the gap so far
+  p.forward_resumed();
+  p.on_live(4000 * kMiB);  // a step's rise again, not the gap's
+  EXPECT_EQ(p.predicted(), (3500 + 2200) * kMiB);
+  EXPECT_EQ(p.predicted_gap(), (1700 + 2200) * kMiB);
+}
+
+TEST(VramBudget, WhatAGapKeepsIsTheNextCyclesStartAndAReleaseOfTheStartIsNoRise) {
   // The user's 4 GiB, taken between steps and held into the next: the next start, not a rise.
   CyclePeaks q;
   q.start(1000 * kMiB, true);
   q.on_live(3000 * kMiB);
   q.on_live(1000 * kMiB);
+  q.backward_ended();
   q.on_live(5096 * kMiB);
   q.cycle_started(5096 * kMiB);
   EXPECT_EQ(q.predicted(), (2000 + 5096) * kMiB);
-  // Freed since (the user gave it back): a lower start, the same rise.
+  EXPECT_EQ(q.predicted_gap(), 5096 * kMiB);
+  // Freed in the next gap (the user gave it back): a lower start, the same rises.
+  q.on_live(7096 * kMiB);
+  q.on_live(5096 * kMiB);
+  q.backward_ended();
   q.on_live(1000 * kMiB);
   q.cycle_started(1000 * kMiB);
   EXPECT_EQ(q.predicted(), 3000 * kMiB);
-  // A cycle that begins with 8000 MiB of resident layers and gives them back between steps: no rise.
+  EXPECT_EQ(q.predicted_gap(), 1000 * kMiB);
+  // Resident layers uploaded inside a cycle are a rise of its step (a plan leaves them room).
   q.on_live(9000 * kMiB);
   q.cycle_started(9000 * kMiB);
-  q.on_live(10000 * kMiB);
-  q.on_live(9000 * kMiB);
-  q.on_live(1000 * kMiB);
-  q.cycle_started(1000 * kMiB);
-  EXPECT_EQ(q.predicted(), 3000 * kMiB);
+  EXPECT_EQ(q.predicted(), (8000 + 9000) * kMiB);
+  // A window whose cycle begins with 8000 MiB of resident layers and gives them back in its gap: no rise.
+  CyclePeaks r;
+  r.start(9000 * kMiB, true);
+  r.on_live(10000 * kMiB);
+  r.on_live(9000 * kMiB);
+  r.backward_ended();
+  r.on_live(1000 * kMiB);
+  r.on_live(1500 * kMiB);
+  r.cycle_started(1000 * kMiB);
+  EXPECT_EQ(r.predicted(), 2000 * kMiB);
+  EXPECT_EQ(r.predicted_gap(), 1000 * kMiB);
 }
 
 TEST(VramBudget, ACycleWindowBegunInsideAStepKeepsThatPeakAsTheLeast) {
@@ -135,15 +168,40 @@ TEST(VramBudget, ACycleWindowBegunInsideAStepKeepsThatPeakAsTheLeast) {
   p.start(5000 * kMiB, /*at_cycle_start=*/false);  // 3000 of the 5000 are this step's activations
   p.on_live(8000 * kMiB);
   EXPECT_EQ(p.predicted(), 8000 * kMiB);
+  p.on_live(2500 * kMiB);
+  p.backward_ended();
+  p.on_live(3500 * kMiB);
   p.on_live(2000 * kMiB);
   p.cycle_started(2000 * kMiB);
   p.on_live(6000 * kMiB);
   EXPECT_EQ(p.predicted(), 8000 * kMiB);  // the next full cycle rose 4000 so far: the partial peak stays
+  EXPECT_EQ(p.predicted_gap(), 3500 * kMiB);
   p.on_live(10500 * kMiB);
   p.on_live(2000 * kMiB);
+  p.backward_ended();
+  p.on_live(2500 * kMiB);
   p.cycle_started(2000 * kMiB);
   EXPECT_EQ(p.predicted(), 10500 * kMiB);
+  EXPECT_EQ(p.predicted_gap(), 3500 * kMiB);
   EXPECT_EQ(p.held_since_start(), 0u);
+}
+
+TEST(VramBudget, TheGapsQuarterIsLeftFreeAtTheGapsPeakBesideTheHeadroomAtTheSteps) {
+  BudgetHeadroom h;
+  const std::size_t limit = 24000 * kMiB, ring = 1000 * kMiB;
+  // Step peak 12000 (ring in it): 24000 - 11000 - 5% (1200) = 11800 for the ring and the residents.
+  EXPECT_EQ(h.room_for(limit, 12000 * kMiB, ring).room, 11800 * kMiB);
+  // A gap peaking at 10000 leaves a quarter (6000) free there: 24000 - 9000 - 6000 = 9000, the lesser.
+  EXPECT_EQ(h.room_for(limit, 12000 * kMiB, ring, 10000 * kMiB).room, 9000 * kMiB);
+  // A gap peaking at 4000: the step's peak decides.
+  EXPECT_EQ(h.room_for(limit, 12000 * kMiB, ring, 4000 * kMiB).room, 11800 * kMiB);
+  EXPECT_EQ(h.gap_threshold(), 6000 * kMiB);
+  // A yield between steps after a plan that measured the gaps keeps the headroom; without, a quarter.
+  h.after_yield(/*between_steps=*/true, /*gap_measured=*/true);
+  EXPECT_EQ(h.permille(), 50u);
+  EXPECT_EQ(h.threshold(), 0u);
+  h.after_yield(/*between_steps=*/true, /*gap_measured=*/false);
+  EXPECT_EQ(h.permille(), 250u);
 }
 
 TEST(VramBudget, TheRoomIsTheLimitLessThePeakWithoutTheRingAndTheHeadroom) {
