@@ -2,7 +2,7 @@
 """Plots of `layerstream bench` results (the JSON written with --json-out): step time per mode against the
 floor, and the memory each mode holds (peak VRAM, pinned host bytes, weight bytes). One PNG per input file.
 
-    python benchmarks/plot_bench.py docs/data/flux1-all-2026-11-29.json [--out docs/flux1-bench.png]
+    python benchmarks/plot_bench.py benchmarks/data/flux1-all-2026-11-29.json [--out docs/flux1-bench.png]
 
 Needs matplotlib (`pip install matplotlib`); nothing else in layerstream does.
 """

@@ -85,7 +85,7 @@ def test_flux2_shapes_and_options_run_in_one_call(tmp_path):
 def test_plot_script_draws_the_recorded_benchmark(tmp_path):
     pytest.importorskip("matplotlib", reason="plotting needs matplotlib (in requirements-dev.txt)")
     repo = Path(__file__).resolve().parents[2]
-    data = repo / "docs" / "data" / "flux1-all-2026-11-29.json"
+    data = repo / "benchmarks" / "data" / "flux1-all-2026-11-29.json"
     out = tmp_path / "bench.png"
     result = subprocess.run([sys.executable, str(repo / "benchmarks" / "plot_bench.py"), str(data), "--out", str(out)],
                             capture_output=True, text=True)

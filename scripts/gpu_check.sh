@@ -3,7 +3,7 @@
 # on the CUDA backend (plain and under compute-sanitizer), builds and installs the Python package, runs the
 # pytest suite and the demo on the device. Logs: $OUT/summary.txt and $OUT/all.log (default OUT:
 # build/gpu-logs).
-# Usage: OUT=/some/dir benchmarks/gpu_check.sh [all|tests|core|py|san|quant|bench|...][,...]
+# Usage: OUT=/some/dir scripts/gpu_check.sh [all|tests|core|py|san|quant|bench|...][,...]
 #   install  build and install the Python package only (then run modes side by side, one per GPU, with
 #          CUDA_VISIBLE_DEVICES=N LAYERSTREAM_REUSE_INSTALL=1 and an OUT each)
 #   core   core tests (sim + cuda) plain and under memcheck, racecheck, synccheck

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # For a lent GPU machine whose calls last at most 10 minutes: runs a longer sequence across several calls.
-#   benchmarks/gpu_lease.sh start ITEMS [SECONDS]  starts `gpu_check.sh ITEMS` detached (setsid; `a,b/c` runs
-#                                                  a,b then c), its logs in /tmp/gpu-lease, then waits like `wait`
-#   benchmarks/gpu_lease.sh wait [SECONDS]         waits up to SECONDS (default 560) for it to finish
+#   scripts/gpu_lease.sh start ITEMS [SECONDS]  starts `gpu_check.sh ITEMS` detached (setsid; `a,b/c` runs
+#                                               a,b then c), its logs in /tmp/gpu-lease, then waits like `wait`
+#   scripts/gpu_lease.sh wait [SECONDS]         waits up to SECONDS (default 560) for it to finish
 # Either way the logs so far go to $OUT (summary.txt, console.log, and results.tgz with all of them), and
 # "lease: running" or "lease: done rc=N" is printed last. Environment for gpu_check.sh (LAYERSTREAM_*) is
 # passed through on start. The machine must be called again within its idle time to keep it (and the job).
@@ -13,7 +13,7 @@ what=${1:?start ITEMS or wait}
 if [[ $what == start ]]; then
   rm -rf "$DIR" && mkdir -p "$DIR/out"
   # ITEMS: gpu_check items, comma-separated; groups separated by '/' run one after another in that order.
-  setsid nohup bash -c 'rc=0; IFS=/; for group in $1; do OUT=$2/out benchmarks/gpu_check.sh "$group" || rc=1; done
+  setsid nohup bash -c 'rc=0; IFS=/; for group in $1; do OUT=$2/out scripts/gpu_check.sh "$group" || rc=1; done
     echo $rc >"$2/rc"' _ "${2:?items}" "$DIR" </dev/null >"$DIR/console.log" 2>&1 &
   shift 2
 else
