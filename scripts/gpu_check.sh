@@ -35,7 +35,8 @@
 #   mem    memory first: FLUX.1 100% streamed stock vs layerstream's default ring; AI-Toolkit's flow (model on the
 #          GPU before attach, an encoder freed, samples, buckets) under 24 GiB: resident, layerstream auto, stock at
 #          0.5, and layerstream auto with 4 GiB taken by the user between steps (LAYERSTREAM_MEM_RUNS picks;
-#          also detflow, flow2, and flowcyc/flow2cyc: FLUX.1/FLUX.2 flow with LAYERSTREAM_VRAM_PEAK=cycles)
+#          also detflow, flow2, and flowcyc/flow2cyc/pressurecyc: FLUX.1/FLUX.2 flow with LAYERSTREAM_VRAM_PEAK=cycles,
+#          flowcycll/flow2cycll: the same with LAYERSTREAM_HOST_DTYPE=lossless)
 #   rings  FLUX.1-shaped bf16 100% streamed, layerstream alone, at several ring sizes, lookaheads and
 #          placements (LAYERSTREAM_PERF_RINGS="default default:lru 1024 1536x16:lru ...": MiB, x layers,
 #          :fifo or :lru for LAYERSTREAM_RING_POLICY)
@@ -91,10 +92,13 @@ fi
 # Installed once per machine (/tmp/site/.installed): concurrent invocations (one per GPU, see `install`)
 # then share them.
 if compgen -G ".whl/*.whl" >/dev/null; then
-  if [[ -e /tmp/site/.installed ]] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-      --upgrade --target /tmp/site .whl/*.whl && rm -rf /tmp/site/test /tmp/site/bin && touch /tmp/site/.installed; }; then
+  # Under a lock: invocations side by side (gpu_lease.sh's a+b) install once.
+  if { exec 9>/tmp/site.lock && flock 9 && { [[ -e /tmp/site/.installed ]] || { python3 -m pip install -q --no-index \
+      --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && rm -rf /tmp/site/test \
+      /tmp/site/bin && touch /tmp/site/.installed; }; }; }; then
     export PYTHONPATH=/tmp/site
   fi
+  exec 9>&-
 fi
 if compgen -G ".aitk/*/" >/dev/null; then
   AI_TOOLKIT_DIR=$(ls -d "$PWD"/.aitk/*/ | sed 's:/$::' | paste -sd:)
@@ -532,6 +536,25 @@ PY
     flux mem_flux2_flow_cycles LAYERSTREAM_VRAM_BUDGET=auto LAYERSTREAM_VRAM_PEAK=cycles --preset flux2 --aitk-flow \
       --vram-cap-gb 24 --warmup 2 --steps 4 --mode layerstream
     grep -E "found no room|VRAM budget on" "$OUT/all.log" | tail -n 3 | sed 's/^/      /' >>"$OUT/summary.txt"
+  fi
+  if [[ $MRUNS == *,pressurecyc,* ]]; then
+    step "AI-Toolkit's flow under a 24 GiB cap, layerstream auto, LAYERSTREAM_VRAM_PEAK=cycles, the user takes 4 GiB before step 4"
+    flux mem_flux1_pressure_cycles LAYERSTREAM_VRAM_BUDGET=auto LAYERSTREAM_VRAM_PEAK=cycles "${FLOW[@]}" \
+      --mode layerstream --user-alloc-gb 4
+    grep -E "found no room|VRAM budget on" "$OUT/all.log" | tail -n 4 | sed 's/^/      /' >>"$OUT/summary.txt"
+  fi
+  # Lossless host storage with the budget in the flow (issues 20 and 21): FLUX.1 and FLUX.2 under 24 GiB.
+  if [[ $MRUNS == *,flowcycll,* ]]; then
+    step "AI-Toolkit's flow under a 24 GiB cap: layerstream auto, cycles, LAYERSTREAM_HOST_DTYPE=lossless"
+    flux mem_flux1_flow_cycles_lossless LAYERSTREAM_VRAM_BUDGET=auto LAYERSTREAM_VRAM_PEAK=cycles "${FLOW[@]}" \
+      --mode layerstream --host-dtype lossless
+    grep -E "found no room|VRAM budget on|lossless packing" "$OUT/all.log" | tail -n 4 | sed 's/^/      /' >>"$OUT/summary.txt"
+  fi
+  if [[ $MRUNS == *,flow2cycll,* ]]; then
+    step "AI-Toolkit's flow under a 24 GiB cap, FLUX.2-shaped: layerstream auto, cycles, LAYERSTREAM_HOST_DTYPE=lossless"
+    flux mem_flux2_flow_cycles_lossless LAYERSTREAM_VRAM_BUDGET=auto LAYERSTREAM_VRAM_PEAK=cycles --preset flux2 \
+      --aitk-flow --vram-cap-gb 24 --warmup 2 --steps 4 --mode layerstream --host-dtype lossless
+    grep -E "found no room|VRAM budget on|lossless packing" "$OUT/all.log" | tail -n 4 | sed 's/^/      /' >>"$OUT/summary.txt"
   fi
   if [[ $MRUNS == *,flow2,* ]]; then
     step "AI-Toolkit's flow under a 24 GiB cap, FLUX.2-shaped: layerstream auto"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # For a lent GPU machine whose calls last at most 10 minutes: runs a longer sequence across several calls.
 #   scripts/gpu_lease.sh start ITEMS [SECONDS]  starts `gpu_check.sh ITEMS` detached (setsid; `a,b/c` runs
-#                                               a,b then c), its logs in /tmp/gpu-lease, then waits like `wait`
+#                                               a,b then c; `a+b/c` runs a beside b, then c: for a build that
+#                                               needs no GPU beside a GPU job), its logs in /tmp/gpu-lease,
+#                                               then waits like `wait`
 #   scripts/gpu_lease.sh wait [SECONDS]         waits up to SECONDS (default 560) for it to finish
 # Either way the logs so far go to $OUT (summary.txt, console.log, and results.tgz with all of them), and
 # "lease: running" or "lease: done rc=N" is printed last. Environment for gpu_check.sh (LAYERSTREAM_*) is
@@ -12,8 +14,12 @@ DIR=/tmp/gpu-lease
 what=${1:?start ITEMS or wait}
 if [[ $what == start ]]; then
   rm -rf "$DIR" && mkdir -p "$DIR/out"
-  # ITEMS: gpu_check items, comma-separated; groups separated by '/' run one after another in that order.
-  setsid nohup bash -c 'rc=0; IFS=/; for group in $1; do OUT=$2/out scripts/gpu_check.sh "$group" || rc=1; done
+  # ITEMS: gpu_check items, comma-separated; groups separated by '/' run one after another in that order, and
+  # the parts of a group separated by '+' side by side (each its own gpu_check.sh, the same $OUT).
+  setsid nohup bash -c 'rc=0; IFS=/; for group in $1; do
+      pids=(); IFS=+; for part in $group; do OUT=$2/out scripts/gpu_check.sh "$part" & pids+=($!); done; IFS=/
+      for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+    done
     echo $rc >"$2/rc"' _ "${2:?items}" "$DIR" </dev/null >"$DIR/console.log" 2>&1 &
   shift 2
 else
