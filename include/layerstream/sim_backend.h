@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "layerstream/backend.h"
+#include "layerstream/vram_budget.h"
 
 namespace layerstream {
 
@@ -111,6 +112,11 @@ class SimBackend final : public Backend {
   // the torch glue measures one on CUDA.
   std::size_t device_peak_bytes() const;
   void reset_device_peak();
+  // The training cycles' peaks of the simulated device (CyclePeaks, LAYERSTREAM_VRAM_PEAK=cycles), fed by
+  // every device allocation and free as the torch glue feeds them from torch's allocator on CUDA.
+  enum class CycleEvent { kStart, kStartInsideStep, kStepStarted, kBackwardEnded, kForwardResumed };
+  void cycle_event(CycleEvent event);
+  CyclePeaks cycle_peaks() const;  // a copy, as of now
 
  private:
   struct Impl;

@@ -154,7 +154,8 @@ class BudgetHeadroom {
   // Room for the ring and resident layers on a device the process may use `limit` bytes of, whose step
   // peaked at `peak` with a ring of `ring` (the ring is counted again in the plan). Sets the threshold.
   // `gap_peak` (0: not measured): the peak between steps (CyclePeaks), at which the plan also leaves the
-  // gap's quarter free, so that no allocation seen there before is taken for pressure (gap_threshold()).
+  // gap's quarter and the headroom free, so that no allocation seen there before is taken for pressure
+  // (gap_threshold()).
   Room room_for(std::size_t limit, std::size_t peak, std::size_t ring, std::size_t gap_peak = 0);
   // An allocation that found no cached block is pressure inside a step when less than half the headroom
   // is free (the plan's own peak leaves all of it free), and between steps when less than a quarter of the

@@ -75,6 +75,7 @@ struct SimBackend::Impl {
   std::map<void*, std::size_t> registered;
   std::size_t device_bytes = 0;
   std::size_t device_peak = 0;  // since reset_device_peak()
+  CyclePeaks cycles;            // fed by device_alloc and device_free
   std::function<bool(std::size_t)> pressure_hook;
   std::size_t pinned_bytes = 0;  // allocated + registered, against pinned_capacity_bytes
 

@@ -97,6 +97,7 @@ void* SimBackend::device_alloc(std::size_t bytes) {
     impl_->device_allocs[p] = bytes;
     impl_->device_bytes += bytes;
     impl_->device_peak = std::max(impl_->device_peak, impl_->device_bytes);
+    impl_->cycles.on_live(impl_->device_bytes);
     return p;
   }
   return nullptr;
@@ -117,6 +118,23 @@ void SimBackend::reset_device_peak() {
   impl_->device_peak = impl_->device_bytes;
 }
 
+void SimBackend::cycle_event(CycleEvent event) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  CyclePeaks& c = impl_->cycles;
+  switch (event) {
+    case CycleEvent::kStart: c.start(impl_->device_bytes, /*at_cycle_start=*/true); break;
+    case CycleEvent::kStartInsideStep: c.start(impl_->device_bytes, /*at_cycle_start=*/false); break;
+    case CycleEvent::kStepStarted: c.cycle_started(impl_->device_bytes); break;
+    case CycleEvent::kBackwardEnded: c.backward_ended(); break;
+    case CycleEvent::kForwardResumed: c.forward_resumed(); break;
+  }
+}
+
+CyclePeaks SimBackend::cycle_peaks() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->cycles;
+}
+
 void SimBackend::device_free(void* ptr) noexcept {
   if (ptr == nullptr) return;
   std::unique_lock<std::mutex> lock(impl_->mu);
@@ -125,6 +143,7 @@ void SimBackend::device_free(void* ptr) noexcept {
   impl_->drain_all(lock);  // cudaFree synchronizes the device
   impl_->checker.forget(ptr, it->second);
   impl_->device_bytes -= it->second;
+  impl_->cycles.on_live(impl_->device_bytes);
   impl_->device_allocs.erase(it);
   aligned_free(ptr);
 }

@@ -251,6 +251,10 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   std::size_t planned_ring_bytes_ = 0;
   bool keep_plan_ = false;   // the next rebuild is the plan's own: it is not planned again
   bool shrink_pending_ = false;  // the pending rebuild is memory pressure's (back to the least ring): plan again
+  // LAYERSTREAM_VRAM_PEAK=cycles: a plan due before the window saw a gap between steps waits for the next
+  // step's first forward (the gap's peak is half of what the plan leaves room for). Under mu_.
+  bool plan_deferred_ = false;
+  std::atomic<bool> gap_in_window_{false};  // a backward ended since the window began
   // Memory pressure (yield_for_pressure): set by the yield, handled at the next layer call under mu_.
   std::atomic<bool> pressure_pending_{false};
   std::atomic<std::uint64_t> pressure_yields_{0};
@@ -277,6 +281,8 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   std::string replan_after_pressure_locked();
   // Starts the windowed peak (the simulator's own, or the resolver's starter on CUDA). Caller holds mu_.
   void start_peak_window_locked();
+  // A training cycle's event: to the simulated device's CyclePeaks, or to the CUDA glue's (set_memory_resolver).
+  void mark_cycle(CycleEvent event);
   DeviceMemoryView memory_view();
   std::string apply_vram_budget_locked(const DeviceMemoryView& view);  // the line to log
   // A layer's packed bytes, or with in_ring what it takes in the ring (its scratch too); nullopt: removed

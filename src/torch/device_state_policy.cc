@@ -66,9 +66,7 @@ void DeviceState::note_use(LayerId layer, bool fresh_each_use) {
   const bool resumed = grad && !in_step_.exchange(true);  // the first training forward since a backward ended
   const bool began = resumed && torch::autograd::get_current_graph_task_id() < 0;
   step_began_ = began;
-  if (resumed && cycle_marker()) {
-    cycle_marker()(*this, began ? CycleEvent::kStepStarted : CycleEvent::kForwardResumed);
-  }
+  if (resumed) mark_cycle(began ? CycleEvent::kStepStarted : CycleEvent::kForwardResumed);
   const UseOutcome outcome = observe_and_prefetch(layer, fresh_each_use);
   if (!outcome.prefetch_error.empty()) {
     log_once("prefetch-failed", LogLevel::kWarning,
@@ -117,7 +115,8 @@ void DeviceState::note_backward_pass() {
     if (auto state = weak.lock()) {
       state->in_step_ = false;
       state->step_task_ = -1;
-      if (cycle_marker()) cycle_marker()(*state, CycleEvent::kBackwardEnded);
+      state->gap_in_window_ = true;
+      state->mark_cycle(CycleEvent::kBackwardEnded);
     }
   });
 }
@@ -139,6 +138,7 @@ std::string DeviceState::replan_after_pressure_locked() {
   // the headroom: the next plan measures the step again.
   headroom_.after_yield(pressure_between_steps_.exchange(false), vram_peak_ == VramPeak::kCycles);
   recorder_.unplan();
+  plan_deferred_ = false;
   planned_resident_.clear();
   budget_room_ = 0;
   const std::size_t least = ring_bytes_for(largest_attached_.load());
@@ -153,11 +153,30 @@ std::string DeviceState::replan_after_pressure_locked() {
 }
 
 void DeviceState::start_peak_window_locked() {
+  gap_in_window_ = false;
+  plan_deferred_ = false;
   if (mode_ == Mode::kSim) {
-    static_cast<SimBackend&>(*pool_->backend).reset_device_peak();
+    auto& sim = static_cast<SimBackend&>(*pool_->backend);
+    sim.reset_device_peak();
+    if (vram_peak_ == VramPeak::kCycles) {
+      sim.cycle_event(step_began_ ? SimBackend::CycleEvent::kStart : SimBackend::CycleEvent::kStartInsideStep);
+    }
   } else if (peak_window_starter()) {
     peak_window_starter()(*this);
   }
+}
+
+void DeviceState::mark_cycle(CycleEvent event) {
+  if (mode_ != Mode::kSim) {
+    if (cycle_marker()) cycle_marker()(*this, event);
+    return;
+  }
+  if (vram_peak_ != VramPeak::kCycles) return;
+  using Sim = SimBackend::CycleEvent;
+  static_cast<SimBackend&>(*pool_->backend)
+      .cycle_event(event == CycleEvent::kStepStarted     ? Sim::kStepStarted
+                   : event == CycleEvent::kBackwardEnded ? Sim::kBackwardEnded
+                                                         : Sim::kForwardResumed);
 }
 
 DeviceMemoryView DeviceState::memory_view() {
@@ -166,7 +185,15 @@ DeviceMemoryView DeviceState::memory_view() {
     // The simulated card: its capacity (or the budget), and the most allocated on it since the window's start.
     const std::size_t total = pool_->backend->device_memory_info().second;
     view.limit = vram_budget_.automatic ? total : vram_budget_.bytes;
-    view.peak = static_cast<SimBackend&>(*pool_->backend).device_peak_bytes();  // since the window's start
+    auto& sim = static_cast<SimBackend&>(*pool_->backend);
+    view.peak = sim.device_peak_bytes();  // since the window's start
+    if (vram_peak_ == VramPeak::kCycles) {
+      const CyclePeaks cycles = sim.cycle_peaks();
+      view.peak = cycles.predicted();
+      view.gap_peak = cycles.predicted_gap();
+      view.held_since = cycles.held_since_start();
+      view.cycles = true;
+    }
   } else if (memory_resolver()) {
     view = memory_resolver()(*this, vram_budget_);
   }
@@ -187,6 +214,7 @@ DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer, bool fr
       recorder_.restart();
     } else {
       recorder_.unplan();  // a rebuilt engine: plan its layers again
+      plan_deferred_ = false;
       planned_resident_.clear();
     }
     keep_plan_ = false;
@@ -204,8 +232,17 @@ DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer, bool fr
     switch (recorder_.observe(layer, training, predictor_.stats().correct)) {
       case BudgetRecorder::Outcome::kWaiting: out.waits_for_training = true; break;
       case BudgetRecorder::Outcome::kStarted: start_peak_window_locked(); break;
-      case BudgetRecorder::Outcome::kPlanNow: out.plan_now = true; break;
-      default: break;
+      case BudgetRecorder::Outcome::kPlanNow:
+        // The cycles' measure plans once the window has seen a gap between steps (else its peak is unknown).
+        plan_deferred_ = vram_peak_ == VramPeak::kCycles && !gap_in_window_;
+        out.plan_now = !plan_deferred_;
+        break;
+      default:
+        if (plan_deferred_ && step_began_ && gap_in_window_) {  // the next step's first forward
+          plan_deferred_ = false;
+          out.plan_now = true;
+        }
+        break;
     }
   }
   if (!prefetch_) return out;

@@ -191,10 +191,10 @@ TEST(VramBudget, TheGapsQuarterIsLeftFreeAtTheGapsPeakBesideTheHeadroomAtTheStep
   const std::size_t limit = 24000 * kMiB, ring = 1000 * kMiB;
   // Step peak 12000 (ring in it): 24000 - 11000 - 5% (1200) = 11800 for the ring and the residents.
   EXPECT_EQ(h.room_for(limit, 12000 * kMiB, ring).room, 11800 * kMiB);
-  // A gap peaking at 10000 leaves a quarter (6000) free there: 24000 - 9000 - 6000 = 9000, the lesser.
-  EXPECT_EQ(h.room_for(limit, 12000 * kMiB, ring, 10000 * kMiB).room, 9000 * kMiB);
-  // A gap peaking at 4000: the step's peak decides.
-  EXPECT_EQ(h.room_for(limit, 12000 * kMiB, ring, 4000 * kMiB).room, 11800 * kMiB);
+  // A gap peaking at 10000 leaves a quarter (6000) and the headroom free there: 24000 - 9000 - 7200 = 7800.
+  EXPECT_EQ(h.room_for(limit, 12000 * kMiB, ring, 10000 * kMiB).room, 7800 * kMiB);
+  // A gap peaking at 6000: the step's peak decides.
+  EXPECT_EQ(h.room_for(limit, 12000 * kMiB, ring, 6000 * kMiB).room, 11800 * kMiB);
   EXPECT_EQ(h.gap_threshold(), 6000 * kMiB);
   // A yield between steps after a plan that measured the gaps keeps the headroom; without, a quarter.
   h.after_yield(/*between_steps=*/true, /*gap_measured=*/true);

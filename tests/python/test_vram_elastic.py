@@ -147,6 +147,31 @@ def test_an_allocation_inside_a_step_that_needs_resident_memory_doubles_the_plan
                for m in messages)
 
 
+def test_the_cycles_measure_leaves_a_quarter_free_at_the_gaps_peak_and_no_gap_yields(engine, device, monkeypatch,
+                                                                                    caplog):
+    """Each gap between two steps takes 3 MiB for a moment (the optimizer's temporaries, a sample) and gives it
+    back. LAYERSTREAM_VRAM_PEAK=cycles measures the gap apart from the step, plans once the window has seen
+    one, and leaves a quarter of the card and the headroom free at the gap's peak (the room an allocation
+    between steps is promised before resident layers give theirs back): one plan, no yield, and the losses
+    are the all-resident run's."""
+    monkeypatch.setenv("LAYERSTREAM_VRAM_PEAK", "cycles")
+    base, ref, managed, state = _on_a_small_card(engine, device, monkeypatch, STEPS[:8])
+
+    def between(step):
+        mm._testing.sim_device_free(state, mm._testing.sim_device_alloc(state, 3 * MiB))
+
+    with caplog.at_level(logging.INFO, logger="layerstream"):
+        losses = _train(managed, apply_lora(managed), device, STEPS[:8], between)
+    assert losses == ref
+    stats = state.stats()
+    plans = [r.getMessage() for r in caplog.records if "VRAM budget on" in r.getMessage()]
+    assert stats["pressure_yields"] == 0 and stats["vram_budget_planned"] == 1 and len(plans) == 1
+    # 12 MiB less the 3 the gap takes above the ring's 2, less the quarter and 5% left free there (3.6): 5.4
+    # MiB for the ring and the resident layers.
+    assert 0 < stats["resident_bytes"] <= int(5.4 * MiB) - stats["ring_bytes"]
+    assert "between steps, where a quarter is left free" in plans[0] and "LAYERSTREAM_VRAM_PEAK=cycles" in plans[0]
+
+
 def test_without_a_budget_an_allocation_that_does_not_fit_still_fails_and_nothing_changes(engine, device,
                                                                                          monkeypatch):
     """The default (min) keeps no layer resident: there is nothing to give back, so an allocation larger
