@@ -38,8 +38,8 @@ std::size_t ring_bytes_for(std::size_t layer_bytes, std::size_t floor, const std
 // (10: the deepest measured, FLUX.2 under 24 GiB). Only the one in use when the ring is fixed.
 std::vector<std::size_t> candidate_rings(std::size_t current, std::size_t largest_device_bytes, bool fixed);
 
-// The peak a plan must leave room for, from the first training step's window (from its first forward to the
-// next step's first forward): the window's peak plus what the process has held since the window began and
+// LAYERSTREAM_VRAM_PEAK=window: the peak a plan must leave room for, from the first training step's window
+// (from its first forward to the next step's first forward): the window's peak plus what the process has held since the window began and
 // still holds (`live_now` above `live_at_start`): the optimizer's state, made at the first step's
 // optimizer.step() after the backward's peak, is in every later step beside the activations. (Seen on the
 // H200, 2026-12-01: a plan from the window's peak alone left too little room, and the next steps yielded.)
@@ -48,12 +48,12 @@ std::vector<std::size_t> candidate_rings(std::size_t current, std::size_t larges
 // (FLUX.2-shaped on the H200: planned for 20389 MiB, steps peaked at 13.7 GiB). A per-step measure without
 // that margin (each step's rise above its own start, on its latest start; 880e5b0, reverted) planned FLUX.2
 // in AI-Toolkit's flow better (1.961 s/step, no yield) but FLUX.1's flow then yielded at two gaps between
-// steps (0.75-0.83 s/step against 0.587 here). What is asked there is not known yet (the optimizer's
-// temporaries are the likely part; the allocator's rounding was 23 MiB); a measure that also counts the
-// gaps' own rise, without counting a yield's release as one, is to be shown on the GPU before it replaces this.
+// steps (0.75-0.83 s/step against 0.587 here): those gaps found less than the quarter free that the
+// between-steps rule asks. LAYERSTREAM_VRAM_PEAK=window; the default, CyclePeaks below, measures the gaps.
 std::size_t steady_peak(std::size_t window_peak, std::size_t live_at_start, std::size_t live_now);
 
-// The other measure (LAYERSTREAM_VRAM_PEAK=cycles; not the default until the GPU shows it): the peaks of a
+// The default measure (LAYERSTREAM_VRAM_PEAK=cycles; on the H200 in AI-Toolkit's flow under 24 GiB, 2026-12-01:
+// FLUX.1 0.564 s/step with no yield against the window's 0.612 with one, FLUX.2 2.078 against 2.093): the peaks of a
 // training cycle, from one step's first forward to the next's, in two parts: the step (its forward and
 // backward) and the gap after its backward (the optimizer's step, a sample, the next bucket's inputs). Each
 // part's rise is the most it held above what the cycle began with; the gap's rise less what the cycle kept

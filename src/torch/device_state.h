@@ -72,7 +72,7 @@ class HostBlockRef {
 struct DeviceMemoryView {
   std::size_t limit = 0;  // bytes the process may use ("auto": free + its own reserved, under torch's fraction)
   std::size_t peak = 0;   // the most the process has held (torch's peak reserved on CUDA)
-  bool cycles = false;  // measured by LAYERSTREAM_VRAM_PEAK=cycles (CyclePeaks), not the window
+  bool cycles = false;  // measured by LAYERSTREAM_VRAM_PEAK=cycles (CyclePeaks, the default), not the window
   std::size_t held_since = 0;  // of `peak`: what the step made after its own peak and still holds (steady_peak)
   std::size_t gap_peak = 0;    // the peak between steps (cycles only; 0: not measured)
 };
@@ -265,7 +265,7 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   std::atomic<std::size_t> pressure_free_{std::numeric_limits<std::size_t>::max()};  // free at the last yield
   std::atomic<bool> in_step_{false};                 // in_training_step()
   std::atomic<bool> step_began_{false};              // step_began_at_this_use()
-  VramPeak vram_peak_ = VramPeak::kWindow;           // LAYERSTREAM_VRAM_PEAK
+  VramPeak vram_peak_ = VramPeak::kCycles;           // LAYERSTREAM_VRAM_PEAK
   std::atomic<int> step_task_{-1};                   // the graph task whose end-of-step callback is queued
   std::unordered_set<const void*> planned_resident_;
   std::unordered_set<LayerId> fresh_each_use_;  // note_use(): layers never copied ahead of need

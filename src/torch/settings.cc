@@ -90,8 +90,8 @@ void parse_ring_policy(Settings& s, const std::string& n, const std::string& t) 
 
 void parse_vram_peak(Settings& s, const std::string& n, const std::string& t) {
   LS_CHECK_ARG(t == "window" || t == "cycles", n, "=", t,
-               " is not understood; give window (the default: the first steps' window) or cycles (each training "
-               "cycle's rise, experimental)");
+               " is not understood; give cycles (the default: each training cycle's step and gap measured apart) "
+               "or window (the first steps' window, as before 2026-12-01)");
   s.vram_peak = t == "cycles" ? VramPeak::kCycles : VramPeak::kWindow;
 }
 

@@ -50,7 +50,7 @@ struct Settings {
   std::size_t prefetch_layers = 8;                 // LAYERSTREAM_PREFETCH_LAYERS
   std::size_t resident_bytes = 0;                  // LAYERSTREAM_RESIDENT_MB
   VramBudget vram_budget;                          // LAYERSTREAM_VRAM_BUDGET
-  VramPeak vram_peak = VramPeak::kWindow;          // LAYERSTREAM_VRAM_PEAK
+  VramPeak vram_peak = VramPeak::kCycles;          // LAYERSTREAM_VRAM_PEAK
   HostDtype host_dtype = HostDtype::kSame;         // LAYERSTREAM_HOST_DTYPE
   ShareHost share_host = ShareHost::kAuto;         // LAYERSTREAM_SHARE_HOST
   double share_timeout_s = 600;                    // LAYERSTREAM_SHARE_TIMEOUT_S

@@ -89,8 +89,8 @@ REFUSED = [
     ("SHARE_TOKEN", "job-1", None),  # its own message, below
     ("SHARE_HOST", "maybe", "is not a setting layerstream knows: auto (the default), 1 or 0"),
     ("BACKEND", "gpu", "is not understood; use 'sim' or 'cpu' (or unset it)"),
-    ("VRAM_PEAK", "steps", "is not understood; give window (the default: the first steps' window) or cycles (each "
-                           "training cycle's rise, experimental)"),
+    ("VRAM_PEAK", "steps", "is not understood; give cycles (the default: each training cycle's step and gap measured "
+                           "apart) or window (the first steps' window, as before 2026-12-01)"),
     ("RING_POLICY", "LRU", "is not understood; give fifo (the default: a region goes at the ring's head) or lru (over "
                            "the memory used longest ago)"),
     ("HOST_DTYPE", "fp8", "is not a setting layerstream knows: use lossless (frozen bfloat16 weights kept and streamed "
