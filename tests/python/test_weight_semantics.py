@@ -260,6 +260,9 @@ def test_vram_budget_plans_for_a_full_fine_tune(engine, device, monkeypatch):
         pytest.skip("a fixed budget on a real GPU depends on what the process already holds; CPU has no ring")
     clear_device_states()
     monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "3MiB")
+    # A budget of a few MiB: the cycles measure's quarter of it kept free between steps leaves no layer
+    # resident, so these cases of the ring's plan and its replay run on the window measure.
+    monkeypatch.setenv("LAYERSTREAM_VRAM_PEAK", "window")
     torch.manual_seed(9)
     base = TinyTransformer(d=256, ff=512, layers=2)
     resident = copy.deepcopy(base)
