@@ -114,7 +114,7 @@ class SimBackend final : public Backend {
   void reset_device_peak();
   // The training cycles' peaks of the simulated device (CyclePeaks, LAYERSTREAM_VRAM_PEAK=cycles), fed by
   // every device allocation and free as the torch glue feeds them from torch's allocator on CUDA.
-  enum class CycleEvent { kStart, kStartInsideStep, kStepStarted, kBackwardEnded, kForwardResumed };
+  void start_cycle_peaks(bool at_cycle_start);  // the window begins (CyclePeaks::start)
   void cycle_event(CycleEvent event);
   CyclePeaks cycle_peaks() const;  // a copy, as of now
 

@@ -118,16 +118,14 @@ void SimBackend::reset_device_peak() {
   impl_->device_peak = impl_->device_bytes;
 }
 
+void SimBackend::start_cycle_peaks(bool at_cycle_start) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->cycles.start(impl_->device_bytes, at_cycle_start);
+}
+
 void SimBackend::cycle_event(CycleEvent event) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  CyclePeaks& c = impl_->cycles;
-  switch (event) {
-    case CycleEvent::kStart: c.start(impl_->device_bytes, /*at_cycle_start=*/true); break;
-    case CycleEvent::kStartInsideStep: c.start(impl_->device_bytes, /*at_cycle_start=*/false); break;
-    case CycleEvent::kStepStarted: c.cycle_started(impl_->device_bytes); break;
-    case CycleEvent::kBackwardEnded: c.backward_ended(); break;
-    case CycleEvent::kForwardResumed: c.forward_resumed(); break;
-  }
+  impl_->cycles.on_event(event, impl_->device_bytes);
 }
 
 CyclePeaks SimBackend::cycle_peaks() const {

@@ -42,6 +42,14 @@ void CyclePeaks::cycle_started(std::size_t live) {
   in_gap_ = false;
 }
 
+void CyclePeaks::on_event(CycleEvent event, std::size_t live) {
+  switch (event) {
+    case CycleEvent::kStepStarted: cycle_started(live); break;
+    case CycleEvent::kBackwardEnded: backward_ended(); break;
+    case CycleEvent::kForwardResumed: forward_resumed(); break;
+  }
+}
+
 void CyclePeaks::backward_ended() {
   if (started_) in_gap_ = true;
 }

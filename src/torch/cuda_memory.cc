@@ -93,19 +93,13 @@ void start_window(DeviceState& state) {
 
 // A training cycle's event on `state`'s device (LAYERSTREAM_VRAM_PEAK=cycles): a step's first forward, the
 // end of its backward, a forward inside a backward.
-void mark_cycle(DeviceState& state, DeviceState::CycleEvent event) {
+void mark_cycle(DeviceState& state, CycleEvent event) {
   const c10::DeviceIndex index = state.device().index();
   if (index < 0 || index >= kMostDevices) return;
   PeakWindow& w = windows()[index];
   if (!w.cycles_on.load(std::memory_order_relaxed)) return;
   std::lock_guard<std::mutex> lock(w.mu);
-  switch (event) {
-    case DeviceState::CycleEvent::kStepStarted:
-      w.cycles.cycle_started(static_cast<std::size_t>(std::max<std::int64_t>(w.live.load(), 0)));
-      break;
-    case DeviceState::CycleEvent::kBackwardEnded: w.cycles.backward_ended(); break;
-    case DeviceState::CycleEvent::kForwardResumed: w.cycles.forward_resumed(); break;
-  }
+  w.cycles.on_event(event, static_cast<std::size_t>(std::max<std::int64_t>(w.live.load(), 0)));
 }
 
 // Free memory an allocation could still get on `index`: the driver's free memory plus what torch caches
@@ -133,17 +127,16 @@ DeviceMemoryView cuda_memory_view(DeviceState& state, const VramBudget& budget) 
   const c10::DeviceIndex index = state.device().index();
   DeviceMemoryView view;
   if (index >= 0 && index < kMostDevices && windows()[index].on) {
-    const PeakWindow& w = windows()[index];
+    PeakWindow& w = windows()[index];
     const auto bytes = [](std::int64_t v) { return static_cast<std::size_t>(std::max<std::int64_t>(v, 0)); };
     const std::size_t window_peak = bytes(w.peak.load());
     view.peak = steady_peak(window_peak, bytes(w.start.load()), bytes(w.live.load()));
     view.held_since = view.peak - window_peak;
     if (state.vram_peak() == VramPeak::kCycles && w.cycles_on.load()) {
-      PeakWindow& cw = windows()[index];
-      std::lock_guard<std::mutex> lock(cw.mu);
-      view.peak = cw.cycles.predicted();
-      view.held_since = cw.cycles.held_since_start();
-      view.gap_peak = cw.cycles.predicted_gap();
+      std::lock_guard<std::mutex> lock(w.mu);
+      view.peak = w.cycles.predicted();
+      view.held_since = w.cycles.held_since_start();
+      view.gap_peak = w.cycles.predicted_gap();
       view.cycles = true;
     }
   } else {  // no window yet (a plan before any training forward cannot happen; kept for safety)

@@ -154,10 +154,7 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // attach, text encoders, samples) does not count as the training step's.
   using MemoryResolver = std::function<DeviceMemoryView(DeviceState&, const VramBudget&)>;
   using PeakWindowStarter = std::function<void(DeviceState&)>;
-  // The training cycle's events for LAYERSTREAM_VRAM_PEAK=cycles (CyclePeaks): a step's first forward (outside
-  // any backward: a new cycle), the end of its backward (the gap begins), a training forward inside a
-  // backward after a nested one ended (a reentrant checkpoint's recompute: the step goes on).
-  enum class CycleEvent { kStepStarted, kBackwardEnded, kForwardResumed };
+  // The training cycle's events for LAYERSTREAM_VRAM_PEAK=cycles (CyclePeaks, vram_budget.h).
   using CycleMarker = std::function<void(DeviceState&, CycleEvent)>;
   static void set_memory_resolver(MemoryResolver resolver, PeakWindowStarter start_peak_window,
                                   CycleMarker mark_cycle);
@@ -252,7 +249,7 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   bool keep_plan_ = false;   // the next rebuild is the plan's own: it is not planned again
   bool shrink_pending_ = false;  // the pending rebuild is memory pressure's (back to the least ring): plan again
   // LAYERSTREAM_VRAM_PEAK=cycles: a plan due before the window saw a gap between steps waits for the next
-  // step's first forward (the gap's peak is half of what the plan leaves room for). Under mu_.
+  // step's first forward (the plan leaves room at the gap's peak too). Under mu_.
   bool plan_deferred_ = false;
   std::atomic<bool> gap_in_window_{false};  // a backward ended since the window began
   // Memory pressure (yield_for_pressure): set by the yield, handled at the next layer call under mu_.

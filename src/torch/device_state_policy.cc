@@ -35,8 +35,8 @@ DeviceState::CycleMarker& cycle_marker() {
 
 // What the plan's peak measured, for its INFO line: " MiB in ... (...": the caller closes the parenthesis.
 std::string describe_peak(const DeviceMemoryView& view) {
-  const char* what = view.cycles ? " MiB in a training cycle (the most a cycle rose and fell, on the current "
-                                   "cycle's start; LAYERSTREAM_VRAM_PEAK=cycles"
+  const char* what = view.cycles ? " MiB in a training cycle (the most a step rose above its cycle's start, on "
+                                   "the current cycle's start; LAYERSTREAM_VRAM_PEAK=cycles"
                                  : " MiB in the training step (from its first forward";
   const char* held = view.cycles ? " MiB of it held since the first cycle, such as the optimizer's state"
                                  : " MiB of it made after the step's own peak and still held, such as the "
@@ -44,7 +44,7 @@ std::string describe_peak(const DeviceMemoryView& view) {
   return detail::concat(what, "; what the process held before is not counted",
                         view.held_since > 0 ? detail::concat("; ", view.held_since / kMiB, held) : std::string(),
                         view.gap_peak > 0 ? detail::concat("; ", view.gap_peak / kMiB, " MiB between steps, where a "
-                                                           "quarter is left free")
+                                                           "quarter is left free beside the headroom")
                                           : std::string());
 }
 
@@ -59,9 +59,9 @@ void DeviceState::set_memory_resolver(MemoryResolver resolver, PeakWindowStarter
 
 void DeviceState::note_use(LayerId layer, bool fresh_each_use) {
   // A forward with grad enabled starts (or continues) a training step; a pass without grad (a sample, a
-  // frozen teacher inside a step) leaves the flag as it is.
-  // A training step begins at its first forward outside any backward; one inside a backward (a reentrant
-  // checkpoint's recompute, after its nested backward ended) goes on with the step.
+  // frozen teacher inside a step) leaves the flag as it is. A step begins at its first forward outside any
+  // backward; one inside a backward (a reentrant checkpoint's recompute, after its nested backward ended)
+  // goes on with the step.
   const bool grad = at::GradMode::is_enabled() || GradForwardScope::active();
   const bool resumed = grad && !in_step_.exchange(true);  // the first training forward since a backward ended
   const bool began = resumed && torch::autograd::get_current_graph_task_id() < 0;
@@ -159,7 +159,7 @@ void DeviceState::start_peak_window_locked() {
     auto& sim = static_cast<SimBackend&>(*pool_->backend);
     sim.reset_device_peak();
     if (vram_peak_ == VramPeak::kCycles) {
-      sim.cycle_event(step_began_ ? SimBackend::CycleEvent::kStart : SimBackend::CycleEvent::kStartInsideStep);
+      sim.start_cycle_peaks(/*at_cycle_start=*/step_began_);
     }
   } else if (peak_window_starter()) {
     peak_window_starter()(*this);
@@ -171,12 +171,7 @@ void DeviceState::mark_cycle(CycleEvent event) {
     if (cycle_marker()) cycle_marker()(*this, event);
     return;
   }
-  if (vram_peak_ != VramPeak::kCycles) return;
-  using Sim = SimBackend::CycleEvent;
-  static_cast<SimBackend&>(*pool_->backend)
-      .cycle_event(event == CycleEvent::kStepStarted     ? Sim::kStepStarted
-                   : event == CycleEvent::kBackwardEnded ? Sim::kBackwardEnded
-                                                         : Sim::kForwardResumed);
+  if (vram_peak_ == VramPeak::kCycles) static_cast<SimBackend&>(*pool_->backend).cycle_event(event);
 }
 
 DeviceMemoryView DeviceState::memory_view() {
