@@ -36,7 +36,8 @@
 #          GPU before attach, an encoder freed, samples, buckets) under 24 GiB: resident, layerstream auto, stock at
 #          0.5, and layerstream auto with 4 GiB taken by the user between steps (LAYERSTREAM_MEM_RUNS picks;
 #          also detflow, flow2, and flowcyc/flow2cyc/pressurecyc: FLUX.1/FLUX.2 flow with LAYERSTREAM_VRAM_PEAK=cycles,
-#          flowcycll/flow2cycll: the same with LAYERSTREAM_HOST_DTYPE=lossless)
+#          flowcycll/flow2cycll: the same with LAYERSTREAM_HOST_DTYPE=lossless; flow, flow2, pressure and detflow
+#          run the default measure: cycles since 40c26cb, window before)
 #   rings  FLUX.1-shaped bf16 100% streamed, layerstream alone, at several ring sizes, lookaheads and
 #          placements (LAYERSTREAM_PERF_RINGS="default default:lru 1024 1536x16:lru ...": MiB, x layers,
 #          :fifo or :lru for LAYERSTREAM_RING_POLICY)
