@@ -35,7 +35,8 @@
 #   mem    memory first: FLUX.1 100% streamed stock vs layerstream's default ring; AI-Toolkit's flow (model on the
 #          GPU before attach, an encoder freed, samples, buckets) under 24 GiB: resident, layerstream auto, stock at
 #          0.5, and layerstream auto with 4 GiB taken by the user between steps (LAYERSTREAM_MEM_RUNS picks;
-#          also detflow, flow2, and flowcyc/flow2cyc/pressurecyc: FLUX.1/FLUX.2 flow with LAYERSTREAM_VRAM_PEAK=cycles,
+#          also detflow, flownp (the flow without the earlier peak: attached from the host, no encoder), flow2,
+#          and flowcyc/flow2cyc/pressurecyc: FLUX.1/FLUX.2 flow with LAYERSTREAM_VRAM_PEAK=cycles,
 #          flowcycll/flow2cycll: the same with LAYERSTREAM_HOST_DTYPE=lossless; flow, flow2, pressure and detflow
 #          run the default measure: cycles since 40c26cb, window before)
 #   rings  FLUX.1-shaped bf16 100% streamed, layerstream alone, at several ring sizes, lookaheads and
@@ -496,6 +497,12 @@ if want mem; then
     # the placement's blocks cached under the fraction): its reference runs the same flow uncapped.
     step "AI-Toolkit's flow: layerstream auto under a 24 GiB cap"
     flux mem_flux1_flow LAYERSTREAM_VRAM_BUDGET=auto "${FLOW[@]}" --mode layerstream
+  fi
+  if [[ $MRUNS == *,flownp,* ]]; then
+    # The same flow without the earlier peak (issue 20): the model attached from the host, no encoder.
+    step "AI-Toolkit's flow without the earlier peak: layerstream auto under a 24 GiB cap"
+    flux mem_flux1_flow_nopeak LAYERSTREAM_VRAM_BUDGET=auto "${FLOW[@]}" --mode layerstream --no-flow-earlier-peak
+    grep -E "found no room|VRAM budget on" "$OUT/all.log" | tail -n 3 | sed 's/^/      /' >>"$OUT/summary.txt"
   fi
   if [[ $MRUNS == *,flowres,* ]]; then
     step "AI-Toolkit's flow: all-resident uncapped (the reference)"

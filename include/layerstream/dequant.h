@@ -45,6 +45,8 @@ float decode_real(RealType t, const void* at);
 std::uint16_t float_to_bf16_bits(float v);
 std::uint16_t float_to_fp16_bits(float v);
 float round_to(RealType t, float v);
+// Writes v rounded to t (nearest even) at `at` (real_size(t) bytes, any alignment).
+void store_real(RealType t, float v, void* at);
 
 void dequantize_host(const DequantSpec& spec, const void* codes, const void* scale, void* out);
 

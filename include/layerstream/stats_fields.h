@@ -72,6 +72,8 @@
   X(std::uint64_t, dequant_reused)                                                                     \
   X(std::uint64_t, dequant_own_memory)                                                                 \
   X(std::uint64_t, dequant_on_copy)                                                                    \
+  /* OstrisLinear calls whose weight layerstream decoded (uintx, orbit, orbit-VQ) in one kernel */      \
+  X(std::uint64_t, ostris_decoded)                                                                     \
   X(std::uint64_t, engines_built)                                                                      \
   X(std::uint64_t, sim_races)             /* sim mode: unordered accesses the race checker found */    \
   X(std::uint64_t, vram_budget_planned)   /* 1 once the VRAM budget planned from a training step */    \

@@ -145,6 +145,22 @@ float round_to(RealType t, float v) {
   return v;
 }
 
+void store_real(RealType t, float v, void* at) {
+  switch (t) {
+    case RealType::kFloat32: std::memcpy(at, &v, 4); break;
+    case RealType::kFloat16: {
+      const std::uint16_t h = float_to_fp16_bits(v);
+      std::memcpy(at, &h, 2);
+      break;
+    }
+    case RealType::kBFloat16: {
+      const std::uint16_t h = float_to_bf16_bits(v);
+      std::memcpy(at, &h, 2);
+      break;
+    }
+  }
+}
+
 void dequantize_host(const DequantSpec& spec, const void* codes, const void* scale, void* out) {
   check_dequant_spec(spec);
   const auto* c = static_cast<const std::uint8_t*>(codes);
@@ -158,20 +174,7 @@ void dequantize_host(const DequantSpec& spec, const void* codes, const void* sca
     const float sr = decode_real(spec.scale, s + (spec.per_row ? r : 0) * ssize);
     for (std::size_t k = 0; k < spec.cols; ++k) {
       const std::size_t i = r * spec.cols + k;
-      const float v = round_to(spec.math, table[c[i]] * sr);
-      switch (spec.out) {
-        case RealType::kFloat32: std::memcpy(o + i * osize, &v, 4); break;
-        case RealType::kFloat16: {
-          const std::uint16_t h = float_to_fp16_bits(v);
-          std::memcpy(o + i * osize, &h, 2);
-          break;
-        }
-        case RealType::kBFloat16: {
-          const std::uint16_t h = float_to_bf16_bits(v);
-          std::memcpy(o + i * osize, &h, 2);
-          break;
-        }
-      }
+      store_real(spec.out, round_to(spec.math, table[c[i]] * sr), o + i * osize);
     }
   }
 }

@@ -81,7 +81,8 @@ struct DeviceMemoryView {
 // there from an earlier use of the same copy, into memory of its own (torch's allocator: resident layers,
 // layouts the core does not take, a second stream), or found in the scratch the engine's derive stream
 // decoded into after the copy (losslessly packed weights).
-enum class DequantUse { kIntoScratch, kReused, kOwnMemory, kOnCopy };
+// kOstrisDecoded: an OstrisLinear call whose weight layerstream decoded (ostris_fast.h).
+enum class DequantUse { kIntoScratch, kReused, kOwnMemory, kOnCopy, kOstrisDecoded };
 
 // A device state's counters: its engine's (the retired engines' counters added), its predictor's, and its
 // own, LAYERSTREAM_STATE_FIELDS (layerstream/stats_fields.h, which says what each counts).
@@ -221,7 +222,7 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   std::unique_ptr<TransferEngine> engine_;
   std::uint64_t generation_ = 0;
   std::uint64_t engines_built_ = 0;
-  std::array<std::atomic<std::uint64_t>, 4> dequant_counts_{};  // by DequantUse
+  std::array<std::atomic<std::uint64_t>, 5> dequant_counts_{};  // by DequantUse
   EngineStats retired_;  // counters of engines replaced by a larger one
   bool prefetch_ = true;
   // How many predicted layers a call may copy ahead (and at most a third of the ring's bytes);

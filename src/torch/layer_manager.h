@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "ostris_fast.h"
 #include "streamed_layer.h"
 
 namespace layerstream::torchglue {
@@ -47,6 +48,8 @@ struct LayerManager {
   // OstrisLinear path: the names of the packed buffers, in block order (then the bias, when it has one).
   std::vector<std::string> buffer_names;
   bool ostris_bias = false;
+  // OstrisLinear path: the backend's weight decoded by layerstream where it is one of the formats it knows.
+  OstrisFast ostris_fast;
   virtual ~LayerManager() = default;
 };
 

@@ -52,6 +52,7 @@ void ostris_pack(const py::object& module, LayerManager& core) {
     param.set_data(views.back());
     core.layer->adopt_tensor(views.size() - 1, param);
   }
+  core.ostris_fast = recognise_ostris(module, core.buffer_names);
 }
 
 py::object ostris_forward(const py::object& module, LayerManager& core, const py::object& original,
@@ -81,7 +82,10 @@ py::object ostris_forward(const py::object& module, LayerManager& core, const py
   if (core.ostris_bias) host->back() = host->back().detach();
   swap_in(staged);
   try {
-    py::object out = original(x);
+    std::optional<py::object> decoded =
+        ostris_fast_forward(module, core.ostris_fast, staged, bias, x, state->mode() == Mode::kCuda);
+    if (decoded) state->note_dequant(DequantUse::kOstrisDecoded);
+    py::object out = decoded ? *std::move(decoded) : original(x);
     swap_in(*host);
     return out;
   } catch (...) {

@@ -42,6 +42,8 @@ OTHER_WIDTHS = ["uint2", "uint4", "uint5", "uint6", "uint7", "convrotint2", "con
                 "convrotint6", "convrotint7", "orbit2", "orbit4", "orbitvq2", "orbitvq4"]
 QTYPES = LAYOUTS + [pytest.param(q, marks=pytest.mark.gpu) for q in OTHER_WIDTHS]
 DTYPE = torch.bfloat16
+# The backends whose weight layerstream decodes itself (src/torch/ostris_fast.h).
+DECODED = ("uint", "orbit")
 
 
 class QuantizedStack(torch.nn.Module):
@@ -142,12 +144,15 @@ def test_backend_streams_as_stored_and_trains_like_stock(engine, device, aitk_di
     # A call moves the layer's block: its buffers and bias as stored, nothing dequantized.
     x = torch.randn(2, 6, 256, dtype=DTYPE, generator=torch.Generator().manual_seed(5)).to(device)
     host = [[t.data_ptr() for t in stored(lin)] for lin in managed.linears()]
+    decoded = mm.stats()["ostris_decoded"]
     with torch.no_grad():
         assert first_call_bytes(managed, x) == sizes
         # After a call the layer holds its host copies again, its bias too (the staged ones are gone).
         assert [[t.data_ptr() for t in stored(lin)] for lin in managed.linears()] == host
         want = unmanaged(x)
         assert torch.equal(stock(x), want) and torch.equal(managed(x), want)
+    # uintx, orbit and orbit-VQ weights are decoded by layerstream (ostris_fast.h), the others by their backend.
+    assert mm.stats()["ostris_decoded"] - decoded == (6 if qtype.startswith(DECODED) else 0)
 
     # LoRA training: the losses and every LoRA parameter bitwise stock's and the unmanaged model's.
     # (On a CPU device stock runs the layer's own forward unmanaged: its run is the unmanaged one.)

@@ -137,6 +137,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="as AI-Toolkit runs: the model on the GPU before attach, a text-encoder-sized "
                              "allocation made and freed before training, a no_grad sample before the first step "
                              "and every --sample-every steps, steps cycling through --buckets")
+    parser.add_argument("--flow-earlier-peak", action=argparse.BooleanOptionalAction, default=True,
+                        help="--aitk-flow: the model on the GPU before attach and the text encoder made and freed "
+                             "there (the process's peak before training); --no-flow-earlier-peak attaches the model "
+                             "from the host and makes no encoder (the same flow without the earlier peak)")
     parser.add_argument("--encoder-gb", type=float, default=9.5,
                         help="--aitk-flow: the text encoder's GiB on the device before training (T5-XXL bf16: 9.5)")
     parser.add_argument("--sample-every", type=int, default=4, help="--aitk-flow: a sample every N steps (0: none)")

@@ -73,7 +73,7 @@ def _place(args, mode: str, package, model, device: torch.device):
     """The model on the device (resident) or attached, as AI-Toolkit's flow places it, and the LoRA applied:
     (network, seconds in all, seconds of the attach or the resident move alone)."""
     t0 = time.perf_counter()
-    if args.aitk_flow and device.type == "cuda":
+    if args.aitk_flow and device.type == "cuda" and args.flow_earlier_peak:
         # AI-Toolkit's flow (extensions_built_in/diffusion_models/flux2/flux2_model.py): the transformer goes to
         # the GPU before MemoryManager.attach, and a text encoder comes to the GPU to cache the prompts' embeddings
         # and goes again; both leave their mark on the process's peak and on torch's cache.

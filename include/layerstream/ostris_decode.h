@@ -1,0 +1,77 @@
+// Decoders for two of AI-Toolkit's OstrisLinear weight formats (toolkit/util/*_quant.py at 27a03a91), so that
+// a streamed layer's weight is built by one fused kernel instead of the backend's chain of torch operations
+// (each a full pass over the weight, several per call). The result is bit for bit the weight the backend's
+// own forward builds; the glue proves that on each layer's first call before it uses the decoder there.
+//
+// uintx (uint2..uint8): codes of `bits` bits, split into power-of-two shards in the order 8, 4, 2, 1 bits
+//   (shard k present when bits & k; the first shard holds the code's lowest bits). A k-bit shard of n codes
+//   is ceil(n / (8 / k)) bytes; code i's k bits are bits [j*k, j*k + k) of byte i % nbytes, j = i / nbytes.
+//   One scale (in the weight's original type) and one uint8 zero point per `group` columns of a row:
+//     w[r, c] = to_out( to_orig( float(code - zero[r, c / group]) * float(scale[r, c / group]) ) )
+//   (the difference is an integer in [-255, 255], exact in every type here).
+// codebook (orbit2..4, orbitvq2..4): indices of `bits` bits (at most 16) in one bitstream, most significant bit
+//   first, each picking a row of `vec_dim` float32 values of a codebook; `n` indices pad to a multiple of 8, so
+//   the stream is n_padded / 8 * bits bytes. One scale per `group` columns of a row (orbit: group = cols,
+//   its row norms):
+//     w[r, c] = to_out( float(to_out(cb[idx[e / vec_dim], e % vec_dim])) * float(to_out(scale[r, c / group])) ),
+//   e = r * cols + c. A product of two values of the output type is rounded once to it, as a torch multiply of
+//   two such tensors is (float math, one rounding); in float32 it is the float product.
+//
+// Two implementations with identical results: the host reference (the sim backend computes with it, so CI
+// runs it) and the CUDA kernels (one thread per output value; read the packed bytes once, write the weight
+// once). Neither allocates. Pointers: every input is read only, `out` (rows * cols values of the output type,
+// row-major) is written only; on CUDA all of them are device memory the caller keeps alive until the work
+// enqueued on `stream` has run.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "layerstream/dequant.h"
+
+namespace layerstream {
+
+struct UintxSpec {
+  std::size_t rows = 0;
+  std::size_t cols = 0;
+  int bits = 4;            // 2..8
+  std::size_t group = 64;  // columns per scale and zero point; divides cols
+  RealType orig = RealType::kBFloat16;  // the scale's type (the weight's original one)
+  RealType out = RealType::kBFloat16;
+};
+
+struct CodebookSpec {
+  std::size_t rows = 0;
+  std::size_t cols = 0;
+  int bits = 4;                 // index bits, 1..16
+  std::size_t vec_dim = 1;      // values per index; divides rows * cols
+  std::size_t entries = 16;     // codebook rows (indices must be below it)
+  std::size_t group = 0;        // columns per scale; divides cols
+  RealType scale = RealType::kBFloat16;
+  RealType out = RealType::kBFloat16;
+};
+
+// Bytes of the packed codes a spec reads (what the backend's buffer must hold).
+std::size_t uintx_packed_bytes(const UintxSpec& spec);
+std::size_t codebook_packed_bytes(const CodebookSpec& spec);
+
+// Throw InvalidArgument naming what is wrong when a spec is not one of the formats above.
+void check_uintx_spec(const UintxSpec& spec);
+void check_codebook_spec(const CodebookSpec& spec);
+
+void decode_uintx_host(const UintxSpec& spec, const std::uint8_t* packed, const void* scale,
+                       const std::uint8_t* zero, void* out);
+// An index at or above spec.entries reads no memory: its values decode as NaN (the backend's own index_select
+// would raise; the glue's first-call proof then turns the decoder off for that layer).
+void decode_codebook_host(const CodebookSpec& spec, const std::uint8_t* packed, const float* codebook,
+                          const void* scale, void* out);
+
+#ifdef LAYERSTREAM_WITH_CUDA
+// Enqueue the kernel on `stream` (a cudaStream_t) of the current device; return at once.
+void decode_uintx_cuda(const UintxSpec& spec, const std::uint8_t* packed, const void* scale,
+                       const std::uint8_t* zero, void* out, void* stream);
+void decode_codebook_cuda(const CodebookSpec& spec, const std::uint8_t* packed, const float* codebook,
+                          const void* scale, void* out, void* stream);
+#endif
+
+}  // namespace layerstream

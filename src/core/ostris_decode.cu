@@ -1,0 +1,235 @@
+// The OstrisLinear decoders on the device (see ostris_decode.h for the formats and formulas): one thread per
+// output value, grid-stride. Conversions are the hardware's round-to-nearest-even ones, those of torch and of
+// the host reference, so the three agree bit for bit. Bound by HBM: a thread reads a byte or two of codes
+// (neighbours share them through L1) and its scale, and writes one value.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "layerstream/check.h"
+#include "layerstream/cuda_check.h"
+#include "layerstream/ostris_decode.h"
+
+namespace layerstream {
+
+namespace {
+
+__device__ __forceinline__ float load_real(RealType t, const void* base, std::size_t i) {
+  switch (t) {
+    case RealType::kFloat32: return static_cast<const float*>(base)[i];
+    case RealType::kFloat16: return __half2float(static_cast<const __half*>(base)[i]);
+    default: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+  }
+}
+
+__device__ __forceinline__ float round_real(RealType t, float v) {
+  switch (t) {
+    case RealType::kFloat32: return v;
+    case RealType::kFloat16: return __half2float(__float2half_rn(v));
+    default: return __bfloat162float(__float2bfloat16_rn(v));
+  }
+}
+
+template <RealType O>
+struct Out;
+template <>
+struct Out<RealType::kFloat32> {
+  using T = float;
+  __device__ static T from(float v) { return v; }
+};
+template <>
+struct Out<RealType::kFloat16> {
+  using T = __half;
+  __device__ static T from(float v) { return __float2half_rn(v); }
+};
+template <>
+struct Out<RealType::kBFloat16> {
+  using T = __nv_bfloat16;
+  __device__ static T from(float v) { return __float2bfloat16_rn(v); }
+};
+
+// Eight consecutive values per thread, all in one row and one scale group (the launch checks cols and group
+// are multiples of 8): the row, the group and each shard's byte are computed once per thread, not per value,
+// and the values leave in 16-byte stores. I is the index type: 32-bit whenever the weight allows it (a 64-bit
+// division is several times the instructions of a 32-bit one, in kernels that should be bound by HBM).
+constexpr int kPerThread = 8;
+
+template <RealType O>
+__device__ __forceinline__ void store8(void* out, std::size_t first, const float (&v)[kPerThread]) {
+  using T = typename Out<O>::T;
+  alignas(16) T t[kPerThread];
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) t[k] = Out<O>::from(v[k]);
+  uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(out) + first);
+#pragma unroll
+  for (int j = 0; j < static_cast<int>(sizeof t / 16); ++j) dst[j] = reinterpret_cast<const uint4*>(t)[j];
+}
+
+struct UintxArgs {
+  const std::uint8_t* packed;
+  const void* scale;
+  const std::uint8_t* zero;
+  void* out;
+  std::size_t n, cols, group;
+  std::size_t shard_bytes[4];  // per shard of 8, 4, 2, 1 bits (0 when absent)
+  int bits;
+  RealType orig;
+};
+
+template <RealType O, typename I>
+__global__ void decode_uintx(UintxArgs a) {
+  const I n8 = static_cast<I>(a.n / kPerThread), cols = static_cast<I>(a.cols), group = static_cast<I>(a.group);
+  const I groups = cols / group;
+  const I step = static_cast<I>(gridDim.x) * blockDim.x;
+  for (I t = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; t < n8; t += step) {
+    const I i0 = t * kPerThread;
+    std::uint32_t code[kPerThread] = {};
+    int offset = 0;
+    const std::uint8_t* shard = a.packed;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int k = 8 >> s;
+      if (!(a.bits & k)) continue;
+      const I nbytes = static_cast<I>(a.shard_bytes[s]);
+      I b = i0 % nbytes;
+      int j = static_cast<int>(i0 / nbytes);
+#pragma unroll
+      for (int v = 0; v < kPerThread; ++v) {
+        code[v] |= ((static_cast<std::uint32_t>(__ldg(shard + b)) >> (j * k)) & ((1u << k) - 1u)) << offset;
+        if (++b == nbytes) b = 0, ++j;
+      }
+      offset += k;
+      shard += nbytes;
+    }
+    const I g = (i0 / cols) * groups + (i0 % cols) / group;
+    const float sc = load_real(a.orig, a.scale, g);
+    const int z = __ldg(a.zero + g);
+    float v[kPerThread];
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      v[k] = round_real(a.orig, __fmul_rn(static_cast<float>(static_cast<int>(code[k]) - z), sc));
+    }
+    store8<O>(a.out, i0, v);
+  }
+}
+
+struct CodebookArgs {
+  const std::uint8_t* packed;
+  const float* codebook;
+  const void* scale;
+  void* out;
+  std::size_t n, cols, group, entries;
+  int bits, vec_shift;  // vec_dim = 1 << vec_shift
+  RealType scale_type;
+};
+
+template <RealType O, typename I>
+__global__ void decode_codebook(CodebookArgs a) {
+  const I n8 = static_cast<I>(a.n / kPerThread), cols = static_cast<I>(a.cols), group = static_cast<I>(a.group);
+  const I groups = cols / group, vec_mask = (I{1} << a.vec_shift) - 1;
+  const I step = static_cast<I>(gridDim.x) * blockDim.x;
+  for (I t = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; t < n8; t += step) {
+    const I e0 = t * kPerThread;
+    const I g = (e0 / cols) * groups + (e0 % cols) / group;
+    const float sc = round_real(O, load_real(a.scale_type, a.scale, g));
+    float v[kPerThread];
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const I e = e0 + static_cast<I>(k);
+      // The index's bits lie in at most three bytes (16 bits starting anywhere in a byte).
+      const std::size_t first = static_cast<std::size_t>(e >> a.vec_shift) * static_cast<std::size_t>(a.bits);
+      const std::size_t byte = first >> 3, last = (first + static_cast<std::size_t>(a.bits) - 1) >> 3;
+      std::uint32_t window = 0;
+      for (std::size_t b = byte; b <= last; ++b) window = (window << 8) | __ldg(a.packed + b);
+      const auto spare = static_cast<int>((last - byte + 1) * 8 - (first & 7) - static_cast<std::size_t>(a.bits));
+      const std::uint32_t idx = (window >> spare) & ((1u << a.bits) - 1u);
+      const float c = idx < a.entries ? __ldg(a.codebook + (static_cast<std::size_t>(idx) << a.vec_shift) + (e & vec_mask))
+                                      : __int_as_float(0x7fc00000);
+      v[k] = __fmul_rn(round_real(O, c), sc);
+    }
+    store8<O>(a.out, e0, v);
+  }
+}
+
+unsigned blocks_for(std::size_t items, unsigned threads) {
+  // One item per thread up to 2^16 blocks, then grid-stride.
+  return static_cast<unsigned>(std::min<std::size_t>((items + threads - 1) / threads, 1u << 16));
+}
+
+// The kernel for the output type, with 32-bit indices while an index plus the grid's stride cannot wrap.
+template <template <RealType, typename> class K, typename Args>
+void launch(const Args& a, RealType out, cudaStream_t stream) {
+  constexpr unsigned kThreads = 256;
+  const unsigned blocks = blocks_for(a.n / kPerThread, kThreads);
+  if (blocks == 0) return;
+  const bool small = a.n < (std::size_t{1} << 31);
+  switch (out) {
+    case RealType::kFloat32:
+      small ? K<RealType::kFloat32, std::uint32_t>::go(blocks, kThreads, stream, a)
+            : K<RealType::kFloat32, std::size_t>::go(blocks, kThreads, stream, a);
+      break;
+    case RealType::kFloat16:
+      small ? K<RealType::kFloat16, std::uint32_t>::go(blocks, kThreads, stream, a)
+            : K<RealType::kFloat16, std::size_t>::go(blocks, kThreads, stream, a);
+      break;
+    case RealType::kBFloat16:
+      small ? K<RealType::kBFloat16, std::uint32_t>::go(blocks, kThreads, stream, a)
+            : K<RealType::kBFloat16, std::size_t>::go(blocks, kThreads, stream, a);
+      break;
+  }
+}
+
+template <RealType O, typename I>
+struct UintxKernel {
+  static void go(unsigned blocks, unsigned threads, cudaStream_t s, const UintxArgs& a) {
+    decode_uintx<O, I><<<blocks, threads, 0, s>>>(a);
+  }
+};
+template <RealType O, typename I>
+struct CodebookKernel {
+  static void go(unsigned blocks, unsigned threads, cudaStream_t s, const CodebookArgs& a) {
+    decode_codebook<O, I><<<blocks, threads, 0, s>>>(a);
+  }
+};
+
+void check_wide(std::size_t cols, std::size_t group, const void* out) {
+  LS_CHECK_ARG(cols % kPerThread == 0 && group % kPerThread == 0 &&
+                   reinterpret_cast<std::uintptr_t>(out) % 16 == 0,
+               "OstrisLinear decode on the device: rows (", cols, ") and groups (", group,
+               ") must be multiples of 8 values and the output 16-byte aligned (use the layer's own forward)");
+}
+
+}  // namespace
+
+void decode_uintx_cuda(const UintxSpec& spec, const std::uint8_t* packed, const void* scale,
+                       const std::uint8_t* zero, void* out, void* stream) {
+  check_uintx_spec(spec);
+  check_wide(spec.cols, spec.group, out);
+  UintxArgs a{packed, scale, zero, out, spec.rows * spec.cols, spec.cols, spec.group, {0, 0, 0, 0}, spec.bits,
+              spec.orig};
+  for (int s = 0; s < 4; ++s) {
+    const auto per_byte = static_cast<std::size_t>(8 / (8 >> s));
+    if (spec.bits & (8 >> s)) a.shard_bytes[s] = (a.n + per_byte - 1) / per_byte;
+  }
+  launch<UintxKernel>(a, spec.out, static_cast<cudaStream_t>(stream));
+  LS_CUDA_CHECK_MSG(cudaGetLastError(), "uintx decode kernel launch failed");
+}
+
+void decode_codebook_cuda(const CodebookSpec& spec, const std::uint8_t* packed, const float* codebook,
+                          const void* scale, void* out, void* stream) {
+  check_codebook_spec(spec);
+  check_wide(spec.cols, spec.group, out);
+  int shift = 0;
+  while ((std::size_t{1} << shift) < spec.vec_dim) ++shift;
+  LS_CHECK_ARG((std::size_t{1} << shift) == spec.vec_dim, "codebook decode on the device: vectors of ",
+               spec.vec_dim, " values (a power of two is needed; use the layer's own forward)");
+  CodebookArgs a{packed, codebook, scale, out, spec.rows * spec.cols, spec.cols, spec.group, spec.entries,
+                 spec.bits, shift, spec.scale};
+  launch<CodebookKernel>(a, spec.out, static_cast<cudaStream_t>(stream));
+  LS_CUDA_CHECK_MSG(cudaGetLastError(), "codebook decode kernel launch failed");
+}
+
+}  // namespace layerstream

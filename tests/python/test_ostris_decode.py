@@ -1,0 +1,262 @@
+"""OstrisLinear weights layerstream decodes itself (src/torch/ostris_fast.h): AI-Toolkit's uintx and orbit formats,
+here in stand-ins written from the formats' description (include/layerstream/ostris_decode.h) in modules named as
+AI-Toolkit's are (toolkit/util/uintx_quant.py, orbit_quant.py). The managed layer's output and input gradient
+are bitwise those of the backend's own forward, each call's weight is decoded by layerstream (stats()
+`ostris_decoded`), and a backend whose own dequantization differs from the decoder's, or one layerstream does
+not know, runs its own forward and says so once. test_ostris_backends.py runs AI-Toolkit's real backends
+(AI_TOOLKIT_DIR)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from layerstream import manager_modules as mm
+
+
+def pack_uintx(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Shards of 8, 4, 2, 1 bits (those in `bits`), lowest bits first; a k-bit shard holds code i in byte
+    i % nbytes at bit (i // nbytes) * k."""
+    flat, out, offset = codes.flatten().to(torch.int32), [], 0
+    n = flat.numel()
+    for k in (8, 4, 2, 1):
+        if bits & k:
+            per = 8 // k
+            nbytes = -(-n // per)
+            part = torch.zeros(per * nbytes, dtype=torch.int32)
+            part[:n] = (flat >> offset) & ((1 << k) - 1)
+            shard = torch.zeros(nbytes, dtype=torch.int32)
+            for j in range(per):
+                shard |= part[j * nbytes:(j + 1) * nbytes] << (j * k)
+            out.append(shard.to(torch.uint8))
+            offset += k
+    return torch.cat(out)
+
+
+def unpack_uintx(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    code, pos, offset = torch.zeros(n, dtype=torch.int32, device=packed.device), 0, 0
+    for k in (8, 4, 2, 1):
+        if bits & k:
+            per = 8 // k
+            nbytes = -(-n // per)
+            shard = packed[pos:pos + nbytes].to(torch.int32)
+            vals = torch.cat([(shard >> (j * k)) & ((1 << k) - 1) for j in range(per)])[:n]
+            code |= vals << offset
+            pos += nbytes
+            offset += k
+    return code
+
+
+def pack_stream(idx: torch.Tensor, bits: int) -> torch.Tensor:
+    """Indices of `bits` bits, most significant bit first, padded to a multiple of 8 indices."""
+    flat = idx.flatten().to(torch.int64)
+    flat = torch.cat([flat, flat.new_zeros((-flat.numel()) % 8)])
+    bit = (flat.unsqueeze(1) >> torch.arange(bits - 1, -1, -1)) & 1
+    return (bit.view(-1, 8) << torch.arange(7, -1, -1)).sum(1).to(torch.uint8)
+
+
+def unpack_stream(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    shifts = torch.arange(7, -1, -1, device=packed.device)
+    bit = ((packed.to(torch.int64).unsqueeze(1) >> shifts) & 1).view(-1, bits)
+    return (bit << torch.arange(bits - 1, -1, -1, device=packed.device)).sum(1)[:n]
+
+
+class UIntXQuantizer:
+    """uintx: per group of `group_size` columns a scale (bytes of the original dtype) and a uint8 zero point."""
+
+    def __init__(self, nbits: int, group_size: int = 64, zero_skew: int = 0):
+        self.nbits, self.group_size, self.zero_skew = nbits, group_size, zero_skew
+
+    def quantize_(self, module, weight):
+        out_f, in_f = weight.shape
+        groups = in_f // self.group_size
+        g = torch.Generator().manual_seed(out_f * 7 + in_f)
+        q = torch.randint(0, 1 << self.nbits, (out_f, in_f), generator=g)
+        zero = torch.randint(0, 1 << self.nbits, (out_f, groups), generator=g)
+        scale = (torch.rand(out_f, groups, generator=g) * 0.05 + 1e-3).to(weight.dtype)
+        module.register_buffer("uintx_packed", pack_uintx(q, self.nbits), persistent=False)
+        module.register_buffer("uintx_scale", scale.contiguous().view(torch.uint8), persistent=False)
+        module.register_buffer("uintx_zero_point", zero.to(torch.uint8), persistent=False)
+
+    def _dequantize_native(self, module):
+        out_f, in_f = module.out_features, module.in_features
+        groups = in_f // self.group_size
+        scale = module.uintx_scale.view(module.ostris_orig_dtype)
+        q = unpack_uintx(module.uintx_packed, self.nbits, out_f * in_f)
+        dq = q.view(out_f, groups, self.group_size).to(scale.dtype)
+        dq -= (module.uintx_zero_point.to(torch.int32) + self.zero_skew).to(scale.dtype).view(out_f, groups, 1)
+        dq *= scale.view(out_f, groups, 1)
+        return dq.view(out_f, in_f)
+
+    def forward(self, module, x):
+        with torch.no_grad():
+            w = self._dequantize_native(module)
+            if w.dtype != x.dtype:
+                w = w.to(x.dtype)
+        return F.linear(x, w, module.bias)
+
+
+def rpbh_forward(x, perm, signs, h):
+    """The stand-in's rotation of the activations (a signed permutation: the glue calls the backend's own)."""
+    return torch.index_select(x, -1, perm) * signs.to(x.dtype)
+
+
+class OrbitQuantizer:
+    """orbit: `bits`-bit indices into a float32 codebook (kept as bytes), one norm per row."""
+
+    def __init__(self, bits: int):
+        self.bits = bits
+
+    def quantize_(self, module, weight):
+        out_f, in_f = weight.shape
+        g = torch.Generator().manual_seed(out_f * 5 + in_f)
+        codes = torch.randint(0, 1 << self.bits, (out_f * in_f,), generator=g)
+        codebook = torch.randn(1 << self.bits, generator=g) * in_f ** -0.5
+        module.register_buffer("orbit_packed", pack_stream(codes, self.bits), persistent=False)
+        module.register_buffer("orbit_row_norms", (torch.rand(out_f, generator=g) + 0.5).to(weight.dtype),
+                               persistent=False)
+        module.register_buffer("orbit_codebook", codebook.view(torch.uint8), persistent=False)
+        module.register_buffer("orbit_perm", torch.randperm(in_f, generator=g).to(torch.int32), persistent=False)
+        module.register_buffer("orbit_signs", (torch.randint(0, 2, (in_f,), generator=g) * 2 - 1).to(torch.int8),
+                               persistent=False)
+        module.orbit_bits, module.orbit_block = self.bits, in_f & -in_f
+
+    def _dequantize_rotated(self, module, dtype):
+        codes = unpack_stream(module.orbit_packed, module.orbit_bits, module.out_features * module.in_features)
+        w = torch.index_select(module.orbit_codebook.view(torch.float32).to(dtype), 0, codes)
+        return w.view(module.out_features, module.in_features) * module.orbit_row_norms.to(dtype).unsqueeze(1)
+
+    def forward(self, module, x):
+        with torch.no_grad():
+            w = self._dequantize_rotated(module, x.dtype)
+        return F.linear(rpbh_forward(x, module.orbit_perm, module.orbit_signs, module.orbit_block), w, module.bias)
+
+
+class OtherQuantizer(UIntXQuantizer):
+    """A backend layerstream does not know (another class name), with uintx's buffers."""
+
+
+# Named as AI-Toolkit's backends are (their helpers, rpbh_forward here, are their forward's globals).
+UIntXQuantizer.__module__ = OtherQuantizer.__module__ = "fake_aitk.util.uintx_quant"
+OrbitQuantizer.__module__ = "fake_aitk.util.orbit_quant"
+
+
+class OstrisLinear(torch.nn.Linear):
+    """AI-Toolkit's layer as its contract has it: the backend's buffers in _buffers, its forward the backend's."""
+
+    is_ostris_quantized = True
+
+    @property
+    def weight(self):  # (AI-Toolkit's dequantizes; nothing here reads it)
+        return None
+
+    def forward(self, x):
+        return self.ostris_quantizer.forward(self, x)
+
+
+def quantized(quantizer, in_f=128, out_f=48, bias=True) -> OstrisLinear:
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(in_f, out_f, bias=bias).to(torch.bfloat16).requires_grad_(False)
+    quantizer.quantize_(lin, lin.weight)
+    del lin._parameters["weight"]
+    lin.__class__ = OstrisLinear
+    lin.ostris_quantizer, lin.ostris_orig_dtype = quantizer, torch.bfloat16
+    return lin
+
+
+class Manager:
+    def __init__(self, device):
+        self.process_device = torch.device(device)
+
+
+def _streamed(engine):
+    if engine == "cpu":
+        pytest.skip("the CPU process device keeps no engine: the layer's own forward runs on its host buffers")
+
+
+def managed_and_reference(quantizer, device, **kw):
+    reference = quantized(quantizer, **kw).to(device)
+    layer = quantized(quantizer, **kw)
+    mm.OstrisLinearLayerMemoryManager.attach(layer, Manager(device))
+    assert layer._layer_memory_manager.path == "ostris"
+    return layer, reference
+
+
+def call_and_grad(layer, x):
+    x = x.clone().requires_grad_(True)
+    out = layer(x)
+    out.float().square().sum().backward()
+    return out.detach(), x.grad
+
+
+@pytest.mark.parametrize("backend", [UIntXQuantizer(3), UIntXQuantizer(4), UIntXQuantizer(8, group_size=32),
+                                     OrbitQuantizer(3), OrbitQuantizer(4)],
+                         ids=["uint3", "uint4", "uint8", "orbit3", "orbit4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_weight_is_decoded_here_and_the_call_is_the_backends_own(engine, device, backend, dtype):
+    _streamed(engine)
+    # (a bfloat16 bias beside float32 inputs is refused by F.linear, the backend's call as much as this one)
+    layer, reference = managed_and_reference(backend, device, bias=dtype == torch.bfloat16)
+    x = torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(2)).to(dtype).to(device)
+    before = mm.stats()["ostris_decoded"]
+    for _ in range(2):  # the first call proves the decoder against the backend's own dequantization
+        got, got_grad = call_and_grad(layer, x)
+        want, want_grad = call_and_grad(reference, x)
+        assert got.dtype == dtype and torch.equal(got, want) and torch.equal(got_grad, want_grad)
+    assert mm.stats()["ostris_decoded"] - before == 2
+    assert all(b.device.type == "cpu" for b in layer._buffers.values())  # the host copies are back
+
+
+def test_a_layer_without_a_bias_and_a_merge_requantized_into_it(engine, device):
+    _streamed(engine)
+    backend = UIntXQuantizer(4)
+    layer, reference = managed_and_reference(backend, device, bias=False)
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(device)
+    with torch.no_grad():
+        assert torch.equal(layer(x), reference(x))
+        # A requantize_ replaces the buffers on the host: the next call decodes the new ones.
+        for lin in (layer, reference):
+            lin.register_buffer("uintx_zero_point", (lin.uintx_zero_point.cpu() + 1).clamp(max=15).to(lin.uintx_zero_point.device),
+                                persistent=False)
+        before = mm.stats()["ostris_decoded"]
+        assert torch.equal(layer(x), reference(x))
+        assert mm.stats()["ostris_decoded"] - before == 1
+
+
+def _info_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "layerstream" and "run their own forward" in r.getMessage()]
+
+
+def test_a_backend_whose_dequantization_differs_runs_its_own_forward(engine, device, caplog):
+    _streamed(engine)
+    mm._testing.reset_log_once()
+    caplog.set_level(logging.INFO, logger="layerstream")
+    backend = UIntXQuantizer(4, zero_skew=1)  # its codes mean something else than the format says
+    layer, reference = managed_and_reference(backend, device)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(device)
+    before = mm.stats()["ostris_decoded"]
+    for _ in range(2):
+        got, got_grad = call_and_grad(layer, x)
+        want, want_grad = call_and_grad(reference, x)
+        assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+    assert mm.stats()["ostris_decoded"] == before
+    assert _info_lines(caplog) == ["layerstream: AI-Toolkit's UIntXQuantizer layers run their own forward (its weight "
+                                   "decoded by layerstream differed from its own dequantization); their buffers still "
+                                   "stream as stored"]
+
+
+def test_a_backend_layerstream_does_not_know_runs_its_own_forward(engine, device, caplog):
+    _streamed(engine)
+    mm._testing.reset_log_once()
+    caplog.set_level(logging.INFO, logger="layerstream")
+    layer, reference = managed_and_reference(OtherQuantizer(4), device)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(device)
+    before = mm.stats()["ostris_decoded"]
+    with torch.no_grad():
+        assert torch.equal(layer(x), reference(x))
+    assert mm.stats()["ostris_decoded"] == before
+    assert _info_lines(caplog) == ["layerstream: AI-Toolkit's OtherQuantizer layers run their own forward (a backend "
+                                   "layerstream does not decode); their buffers still stream as stored"]
