@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cuda_real.cuh"
 #include "layerstream/check.h"
 #include "layerstream/cuda_check.h"
 #include "layerstream/dequant.h"
@@ -28,39 +29,9 @@ __device__ __forceinline__ float decode(std::uint8_t b) {
   }
 }
 
-__device__ __forceinline__ float load_real(RealType t, const void* base, std::size_t i) {
-  switch (t) {
-    case RealType::kFloat32: return static_cast<const float*>(base)[i];
-    case RealType::kFloat16: return __half2float(static_cast<const __half*>(base)[i]);
-    default: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
-  }
-}
-
-__device__ __forceinline__ float round_math(RealType t, float v) {
-  switch (t) {
-    case RealType::kFloat32: return v;
-    case RealType::kFloat16: return __half2float(__float2half_rn(v));
-    default: return __bfloat162float(__float2bfloat16_rn(v));
-  }
-}
-
-template <RealType O>
-struct Out;
-template <>
-struct Out<RealType::kFloat32> {
-  using T = float;
-  __device__ static T from(float v) { return v; }
-};
-template <>
-struct Out<RealType::kFloat16> {
-  using T = __half;
-  __device__ static T from(float v) { return __float2half_rn(v); }
-};
-template <>
-struct Out<RealType::kBFloat16> {
-  using T = __nv_bfloat16;
-  __device__ static T from(float v) { return __float2bfloat16_rn(v); }
-};
+using cuda_real::load_real;
+using cuda_real::Out;
+using cuda_real::round_real;
 
 struct Args {
   const std::uint8_t* codes;
@@ -102,7 +73,7 @@ __global__ void dequant_wide(Args a) {
     const std::uint8_t* b = reinterpret_cast<const std::uint8_t*>(&packed);
     alignas(16) T v[W];
 #pragma unroll
-    for (int k = 0; k < W; ++k) v[k] = Out<O>::from(round_math(a.math, decode<C>(b[k]) * s));
+    for (int k = 0; k < W; ++k) v[k] = Out<O>::from(round_real(a.math, decode<C>(b[k]) * s));
     uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(a.out)) + static_cast<std::size_t>(g) * kStores;
 #pragma unroll
     for (int j = 0; j < kStores; ++j) dst[j] = reinterpret_cast<const uint4*>(v)[j];
@@ -119,7 +90,7 @@ __global__ void dequant_scalar(Args a) {
   const I step = static_cast<I>(gridDim.x) * blockDim.x;
   for (I i = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
     const float s = load_real(a.scale_type, a.scale, a.per_row ? i / cols : 0);
-    out[i] = Out<O>::from(round_math(a.math, decode<C>(a.codes[i]) * s));
+    out[i] = Out<O>::from(round_real(a.math, decode<C>(a.codes[i]) * s));
   }
 }
 

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cuda_real.cuh"
 #include "layerstream/check.h"
 #include "layerstream/cuda_check.h"
 #include "layerstream/ostris_decode.h"
@@ -17,39 +18,9 @@ namespace layerstream {
 
 namespace {
 
-__device__ __forceinline__ float load_real(RealType t, const void* base, std::size_t i) {
-  switch (t) {
-    case RealType::kFloat32: return static_cast<const float*>(base)[i];
-    case RealType::kFloat16: return __half2float(static_cast<const __half*>(base)[i]);
-    default: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
-  }
-}
-
-__device__ __forceinline__ float round_real(RealType t, float v) {
-  switch (t) {
-    case RealType::kFloat32: return v;
-    case RealType::kFloat16: return __half2float(__float2half_rn(v));
-    default: return __bfloat162float(__float2bfloat16_rn(v));
-  }
-}
-
-template <RealType O>
-struct Out;
-template <>
-struct Out<RealType::kFloat32> {
-  using T = float;
-  __device__ static T from(float v) { return v; }
-};
-template <>
-struct Out<RealType::kFloat16> {
-  using T = __half;
-  __device__ static T from(float v) { return __float2half_rn(v); }
-};
-template <>
-struct Out<RealType::kBFloat16> {
-  using T = __nv_bfloat16;
-  __device__ static T from(float v) { return __float2bfloat16_rn(v); }
-};
+using cuda_real::load_real;
+using cuda_real::Out;
+using cuda_real::round_real;
 
 // Eight consecutive values per thread, all in one row and one scale group (the launch checks cols and group
 // are multiples of 8): the row, the group and each shard's byte are computed once per thread, not per value,

@@ -132,6 +132,92 @@ OstrisFast recognise_ostris(const py::object& module, const std::vector<std::str
   return f;
 }
 
+namespace {
+
+#ifdef LAYERSTREAM_TORCH_CUDA
+void* stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+#endif
+
+// Each decodes the staged buffers into `w` ([rows, cols] of the input's type), or returns why it cannot
+// (buffers whose sizes or types are not the format's).
+std::string decode_uintx_into(const OstrisFast& f, const std::vector<at::Tensor>& staged, at::Tensor& w,
+                              RealType out, [[maybe_unused]] bool on_cuda) {
+  const at::Tensor& packed = staged[static_cast<std::size_t>(f.packed)];
+  const at::Tensor& scale = staged[static_cast<std::size_t>(f.scale)];
+  const at::Tensor& zero = staged[static_cast<std::size_t>(f.zero)];
+  const UintxSpec spec{static_cast<std::size_t>(w.size(0)), static_cast<std::size_t>(w.size(1)), f.bits,
+                       static_cast<std::size_t>(f.group), *real_type(f.orig), out};
+  const std::size_t groups = spec.rows * (spec.cols / spec.group);
+  if (static_cast<std::size_t>(packed.numel()) != uintx_packed_bytes(spec) || scale.nbytes() != real_size(spec.orig) * groups ||
+      zero.scalar_type() != at::kByte || static_cast<std::size_t>(zero.numel()) != groups || !zero.is_contiguous()) {
+    return "buffers whose sizes are not uintx's for this layer";
+  }
+  const auto* p = static_cast<const std::uint8_t*>(packed.data_ptr());
+  const auto* z = static_cast<const std::uint8_t*>(zero.data_ptr());
+#ifdef LAYERSTREAM_TORCH_CUDA
+  if (on_cuda) {
+    decode_uintx_cuda(spec, p, scale.data_ptr(), z, w.data_ptr(), stream_of(packed));
+    return "";
+  }
+#endif
+  decode_uintx_host(spec, p, scale.data_ptr(), z, w.data_ptr());
+  return "";
+}
+
+std::string decode_codebook_into(OstrisFast& f, const std::vector<at::Tensor>& staged, at::Tensor& w, RealType out,
+                                 const py::object& x, [[maybe_unused]] bool on_cuda) {
+  const at::Tensor& packed = staged[static_cast<std::size_t>(f.packed)];
+  const at::Tensor& scale = staged[static_cast<std::size_t>(f.scale)];
+  at::Tensor cb;
+  if (f.codebook >= 0) {  // orbit: the float32 codebook kept as bytes
+    cb = staged[static_cast<std::size_t>(f.codebook)];
+    if (cb.scalar_type() != at::kByte || cb.nbytes() % 4 != 0 || !cb.is_contiguous()) return "a codebook not of float32 bytes";
+    f.entries = static_cast<std::int64_t>(cb.nbytes() / 4);
+  } else {  // orbit-VQ: the backend's per-device lattice table
+    cb = f.vq_tables(f.lattice, f.entries, x.attr("device")).attr("codebook").cast<at::Tensor>();
+    if (cb.scalar_type() != at::kFloat || !cb.is_contiguous() || cb.device() != packed.device() ||
+        cb.numel() != f.entries * f.vec_dim) {
+      return "a lattice codebook not of float32 [codebook_size, vec_dim] on the layer's device";
+    }
+  }
+  const auto scale_type = real_type(scale.scalar_type());
+  const CodebookSpec spec{static_cast<std::size_t>(w.size(0)), static_cast<std::size_t>(w.size(1)), f.bits,
+                          static_cast<std::size_t>(f.vec_dim), static_cast<std::size_t>(f.entries),
+                          static_cast<std::size_t>(f.group), scale_type.value_or(RealType::kFloat32), out};
+  if (!scale_type || static_cast<std::size_t>(scale.numel()) != spec.rows * (spec.cols / spec.group) ||
+      (spec.rows * spec.cols) % spec.vec_dim != 0 || static_cast<std::size_t>(packed.numel()) != codebook_packed_bytes(spec) ||
+      reinterpret_cast<std::uintptr_t>(cb.data_ptr()) % 4 != 0) {
+    return "buffers whose sizes are not the codebook format's for this layer";
+  }
+  const auto* p = static_cast<const std::uint8_t*>(packed.data_ptr());
+  const auto* c = static_cast<const float*>(cb.data_ptr());
+#ifdef LAYERSTREAM_TORCH_CUDA
+  if (on_cuda) {
+    decode_codebook_cuda(spec, p, c, scale.data_ptr(), w.data_ptr(), stream_of(packed));
+    return "";
+  }
+#endif
+  decode_codebook_host(spec, p, c, scale.data_ptr(), w.data_ptr());
+  return "";
+}
+
+// The proof, once per input type: `w` against the backend's own dequantization of the same staged buffers
+// (swapped into the layer); why they are not the same, or "".
+std::string differs_from_backend(const py::object& module, const OstrisFast& f, const at::Tensor& w, const py::object& x) {
+  try {
+    const py::object q = module.attr("ostris_quantizer");
+    const py::object want = f.format == OstrisFast::Format::kUintx
+                                ? q.attr("_dequantize_native")(module).attr("to")(x.attr("dtype"))
+                                : q.attr("_dequantize_rotated")(module, x.attr("dtype"));
+    if (!at::equal(w, want.cast<at::Tensor>())) return "its weight decoded by layerstream differed from its own dequantization";
+  } catch (py::error_already_set& e) {
+    return std::string("its own dequantization could not be called to check layerstream's: ") + e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
 std::optional<py::object> ostris_fast_forward(const py::object& module, OstrisFast& fast,
                                               const std::vector<at::Tensor>& staged, const py::object& bias,
                                               const py::object& x, bool decoded_on_cuda) {
@@ -139,86 +225,30 @@ std::optional<py::object> ostris_fast_forward(const py::object& module, OstrisFa
   const at::Tensor xt = x.cast<at::Tensor>();
   const auto out_type = real_type(xt.scalar_type());
   const at::Tensor& packed = staged[static_cast<std::size_t>(fast.packed)];
-  if (!out_type || xt.device() != packed.device()) return std::nullopt;
+  if (!out_type || xt.device() != packed.device()) return std::nullopt;  // (the backend's own call decides)
   const auto rows = module.attr("out_features").cast<std::int64_t>();
   const auto cols = module.attr("in_features").cast<std::int64_t>();
-  // The device kernels take eight values at a time inside one row and one group.
-  if (decoded_on_cuda && (cols % 8 != 0 || fast.group % 8 != 0)) return std::nullopt;
-  const at::Tensor& scale = staged[static_cast<std::size_t>(fast.scale)];
-  if (packed.scalar_type() != at::kByte || !packed.is_contiguous() || !scale.is_contiguous()) return std::nullopt;
+  std::string why;
+  if (packed.scalar_type() != at::kByte || !packed.is_contiguous() ||
+      !staged[static_cast<std::size_t>(fast.scale)].is_contiguous()) {
+    why = "packed codes that are not contiguous bytes";
+  } else if (decoded_on_cuda && (cols % 8 != 0 || fast.group % 8 != 0)) {
+    why = "rows or groups that are not multiples of 8 values (the device kernels take eight at a time)";
+  }
   at::Tensor w = at::empty({rows, cols}, packed.options().dtype(xt.scalar_type()));
-  const auto n_groups = rows * (cols / fast.group);
-  if (fast.format == OstrisFast::Format::kUintx) {
-    const at::Tensor& zero = staged[static_cast<std::size_t>(fast.zero)];
-    const UintxSpec spec{static_cast<std::size_t>(rows), static_cast<std::size_t>(cols), fast.bits,
-                         static_cast<std::size_t>(fast.group), *real_type(fast.orig), *out_type};
-    const auto scale_bytes = static_cast<std::int64_t>(real_size(spec.orig)) * n_groups;
-    if (static_cast<std::size_t>(packed.numel()) != uintx_packed_bytes(spec) || scale.nbytes() != static_cast<std::size_t>(scale_bytes) ||
-        zero.scalar_type() != at::kByte || zero.numel() != n_groups || !zero.is_contiguous()) {
-      return std::nullopt;
-    }
-    const auto* p = static_cast<const std::uint8_t*>(packed.data_ptr());
-    const auto* z = static_cast<const std::uint8_t*>(zero.data_ptr());
-#ifdef LAYERSTREAM_TORCH_CUDA
-    if (decoded_on_cuda) {
-      decode_uintx_cuda(spec, p, scale.data_ptr(), z, w.data_ptr(),
-                        c10::cuda::getCurrentCUDAStream(packed.device().index()).stream());
-    } else
-#endif
-      decode_uintx_host(spec, p, scale.data_ptr(), z, w.data_ptr());
-  } else {
-    at::Tensor cb;
-    if (fast.codebook >= 0) {
-      cb = staged[static_cast<std::size_t>(fast.codebook)];
-      if (cb.scalar_type() != at::kByte || cb.nbytes() % 4 != 0 || !cb.is_contiguous()) return std::nullopt;
-      fast.entries = static_cast<std::int64_t>(cb.nbytes() / 4);
-    } else {
-      cb = fast.vq_tables(fast.lattice, fast.entries, x.attr("device")).attr("codebook").cast<at::Tensor>();
-      if (cb.scalar_type() != at::kFloat || !cb.is_contiguous() || cb.device() != packed.device() ||
-          cb.numel() != fast.entries * fast.vec_dim) {
-        return std::nullopt;
-      }
-    }
-    const auto scale_type = real_type(scale.scalar_type());
-    const CodebookSpec spec{static_cast<std::size_t>(rows), static_cast<std::size_t>(cols), fast.bits,
-                            static_cast<std::size_t>(fast.vec_dim), static_cast<std::size_t>(fast.entries),
-                            static_cast<std::size_t>(fast.group), scale_type.value_or(RealType::kFloat32), *out_type};
-    if (!scale_type || scale.numel() != n_groups || (rows * cols) % fast.vec_dim != 0 ||
-        static_cast<std::size_t>(packed.numel()) != codebook_packed_bytes(spec) ||
-        reinterpret_cast<std::uintptr_t>(cb.data_ptr()) % 4 != 0) {
-      return std::nullopt;
-    }
-    const auto* p = static_cast<const std::uint8_t*>(packed.data_ptr());
-    const auto* c = static_cast<const float*>(cb.data_ptr());
-#ifdef LAYERSTREAM_TORCH_CUDA
-    if (decoded_on_cuda) {
-      decode_codebook_cuda(spec, p, c, scale.data_ptr(), w.data_ptr(),
-                           c10::cuda::getCurrentCUDAStream(packed.device().index()).stream());
-    } else
-#endif
-      decode_codebook_host(spec, p, c, scale.data_ptr(), w.data_ptr());
+  if (why.empty()) {
+    why = fast.format == OstrisFast::Format::kUintx ? decode_uintx_into(fast, staged, w, *out_type, decoded_on_cuda)
+                                                    : decode_codebook_into(fast, staged, w, *out_type, x, decoded_on_cuda);
   }
   const c10::ScalarType dtype = xt.scalar_type();
-  if (std::find(fast.proven.begin(), fast.proven.end(), dtype) == fast.proven.end()) {
-    // The proof, once per input type: the backend's own dequantization of the same staged buffers.
-    bool same = false;
-    try {
-      const py::object q = module.attr("ostris_quantizer");
-      const py::object want = fast.format == OstrisFast::Format::kUintx
-                                  ? q.attr("_dequantize_native")(module).attr("to")(x.attr("dtype"))
-                                  : q.attr("_dequantize_rotated")(module, x.attr("dtype"));
-      same = at::equal(w, want.cast<at::Tensor>());
-    } catch (py::error_already_set& e) {
-      own_forward(fast.backend, std::string("its own dequantization could not be called to check layerstream's: ") + e.what());
-      fast.refused = true;
-      return std::nullopt;
-    }
-    if (!same) {
-      fast.refused = true;
-      own_forward(fast.backend, "its weight decoded by layerstream differed from its own dequantization");
-      return std::nullopt;
-    }
-    fast.proven.push_back(dtype);
+  if (why.empty() && std::find(fast.proven.begin(), fast.proven.end(), dtype) == fast.proven.end()) {
+    why = differs_from_backend(module, fast, w, x);
+    if (why.empty()) fast.proven.push_back(dtype);
+  }
+  if (!why.empty()) {
+    fast.refused = true;
+    own_forward(fast.backend, why);
+    return std::nullopt;
   }
   const at::Tensor b = bias.is_none() ? at::Tensor() : bias.cast<at::Tensor>();
   if (fast.format == OstrisFast::Format::kUintx) return py::cast(at::linear(xt, w, b));
