@@ -7,6 +7,7 @@
 
 #include "layerstream/log.h"
 #include "layerstream/ostris_decode.h"
+#include "settings.h"
 
 #ifdef LAYERSTREAM_TORCH_CUDA
 #include <c10/cuda/CUDAStream.h>
@@ -108,6 +109,10 @@ OstrisFast recognise_ostris(const py::object& module, const std::vector<std::str
                      (f.backend == "OrbitVQQuantizer" && ends_with(where, "orbit_vq_quant"));
   if (!known) {
     own_forward(f.backend, "a backend layerstream does not decode");
+    return OstrisFast{};
+  }
+  if (!Settings::current()->ostris_decode) {
+    own_forward(f.backend, "LAYERSTREAM_OSTRIS_DECODE=0");
     return OstrisFast{};
   }
   // The forward the format is known for: the backend class's own, called by OstrisLinear's own. The backend's

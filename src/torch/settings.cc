@@ -156,6 +156,8 @@ const std::vector<Entry>& entries() {
        [](Settings& s, const std::string&, const std::string& t) { s.vram_budget = VramBudget::parse(t.c_str()); }},
       {"LAYERSTREAM_VRAM_PEAK", &parse_vram_peak},
       {"LAYERSTREAM_HOST_DTYPE", &parse_host_dtype},
+      {"LAYERSTREAM_OSTRIS_DECODE",
+       [](Settings& s, const std::string& n, const std::string& t) { s.ostris_decode = switch_value(n, t, "0"); }},
       {"LAYERSTREAM_SHARE_HOST", &parse_share_host},
       {"LAYERSTREAM_SHARE_TIMEOUT_S", &parse_share_timeout},
       {"LAYERSTREAM_SHARE_TOKEN", &parse_share_token},

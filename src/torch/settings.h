@@ -52,6 +52,7 @@ struct Settings {
   VramBudget vram_budget;                          // LAYERSTREAM_VRAM_BUDGET
   VramPeak vram_peak = VramPeak::kCycles;          // LAYERSTREAM_VRAM_PEAK
   HostDtype host_dtype = HostDtype::kSame;         // LAYERSTREAM_HOST_DTYPE
+  bool ostris_decode = true;                       // LAYERSTREAM_OSTRIS_DECODE
   ShareHost share_host = ShareHost::kAuto;         // LAYERSTREAM_SHARE_HOST
   double share_timeout_s = 600;                    // LAYERSTREAM_SHARE_TIMEOUT_S
   std::optional<std::string> share_token;          // LAYERSTREAM_SHARE_TOKEN

@@ -57,6 +57,7 @@ py::dict settings_dict() {
                                                 : py::cast(s->vram_budget.bytes);
   d["vram_peak"] = s->vram_peak == VramPeak::kCycles ? "cycles" : "window";
   d["host_dtype"] = host_dtype_name(s->host_dtype);
+  d["ostris_decode"] = s->ostris_decode;
   d["share_host"] = s->share_host == ShareHost::kAuto ? "auto" : s->share_host == ShareHost::kOn ? "on" : "off";
   d["share_timeout_s"] = s->share_timeout_s;
   d["share_token"] = or_none(s->share_token);
