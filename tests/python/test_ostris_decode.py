@@ -248,33 +248,32 @@ def test_a_backend_whose_dequantization_differs_runs_its_own_forward(engine, dev
                                    "stream as stored"]
 
 
-def test_a_backend_layerstream_does_not_know_runs_its_own_forward(engine, device, caplog):
-    _streamed(engine)
+def _own_forward_only(backend, device, caplog) -> list[str]:
+    """A managed layer of `backend` computes as its own forward does, with no call decoded here; the INFO lines."""
     mm._testing.reset_log_once()
     caplog.set_level(logging.INFO, logger="layerstream")
-    layer, reference = managed_and_reference(OtherQuantizer(4), device)
+    layer, reference = managed_and_reference(backend, device)
     x = torch.randn(2, 128, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(device)
     before = mm.stats()["ostris_decoded"]
     with torch.no_grad():
         assert torch.equal(layer(x), reference(x))
     assert mm.stats()["ostris_decoded"] == before
-    assert _info_lines(caplog) == ["layerstream: AI-Toolkit's OtherQuantizer layers run their own forward (a backend "
-                                   "layerstream does not decode); their buffers still stream as stored"]
+    return _info_lines(caplog)
+
+
+def test_a_backend_layerstream_does_not_know_runs_its_own_forward(engine, device, caplog):
+    _streamed(engine)
+    assert _own_forward_only(OtherQuantizer(4), device, caplog) == [
+        "layerstream: AI-Toolkit's OtherQuantizer layers run their own forward (a backend layerstream does not "
+        "decode); their buffers still stream as stored"]
 
 
 def test_the_switch_turns_the_decoder_off(engine, device, caplog):
     _streamed(engine)
-    mm._testing.reset_log_once()
-    caplog.set_level(logging.INFO, logger="layerstream")
     mm.configure(ostris_decode="0")
     try:
-        layer, reference = managed_and_reference(UIntXQuantizer(4), device)
-        x = torch.randn(2, 128, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(device)
-        before = mm.stats()["ostris_decoded"]
-        with torch.no_grad():
-            assert torch.equal(layer(x), reference(x))
-        assert mm.stats()["ostris_decoded"] == before
+        lines = _own_forward_only(UIntXQuantizer(4), device, caplog)
     finally:
         mm.configure(ostris_decode=None)
-    assert _info_lines(caplog) == ["layerstream: AI-Toolkit's UIntXQuantizer layers run their own forward "
-                                   "(LAYERSTREAM_OSTRIS_DECODE=0); their buffers still stream as stored"]
+    assert lines == ["layerstream: AI-Toolkit's UIntXQuantizer layers run their own forward "
+                     "(LAYERSTREAM_OSTRIS_DECODE=0); their buffers still stream as stored"]
