@@ -24,6 +24,7 @@
 // enqueued on `stream` has run.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 
@@ -51,7 +52,9 @@ struct CodebookSpec {
   RealType out = RealType::kBFloat16;
 };
 
-// Bytes of the packed codes a spec reads (what the backend's buffer must hold).
+// Bytes of the packed codes a spec reads (what the backend's buffer must hold); for uintx also per shard of
+// 8, 4, 2 and 1 bits, in that order (0 for a shard the width has not).
+std::array<std::size_t, 4> uintx_shard_bytes(const UintxSpec& spec);
 std::size_t uintx_packed_bytes(const UintxSpec& spec);
 std::size_t codebook_packed_bytes(const CodebookSpec& spec);
 

@@ -26,13 +26,19 @@ std::uint32_t stream_index(const std::uint8_t* packed, int bits, std::size_t i) 
 
 }  // namespace
 
-std::size_t uintx_packed_bytes(const UintxSpec& spec) {
-  const std::size_t n = spec.rows * spec.cols;
-  std::size_t bytes = 0;
-  for (int k : {8, 4, 2, 1}) {
-    if (spec.bits & k) bytes += ceil_div(n, static_cast<std::size_t>(8 / k));
+std::array<std::size_t, 4> uintx_shard_bytes(const UintxSpec& spec) {
+  std::array<std::size_t, 4> bytes{};
+  for (std::size_t s = 0; s < bytes.size(); ++s) {
+    const int k = 8 >> s;
+    if (spec.bits & k) bytes[s] = ceil_div(spec.rows * spec.cols, static_cast<std::size_t>(8 / k));
   }
   return bytes;
+}
+
+std::size_t uintx_packed_bytes(const UintxSpec& spec) {
+  std::size_t total = 0;
+  for (std::size_t b : uintx_shard_bytes(spec)) total += b;
+  return total;
 }
 
 std::size_t codebook_packed_bytes(const CodebookSpec& spec) {
@@ -64,13 +70,15 @@ void decode_uintx_host(const UintxSpec& spec, const std::uint8_t* packed, const 
   const auto* s = static_cast<const unsigned char*>(scale);
   auto* o = static_cast<unsigned char*>(out);
   const std::size_t ssize = real_size(spec.orig), osize = real_size(spec.out);
+  const std::array<std::size_t, 4> shard_bytes = uintx_shard_bytes(spec);
   for (std::size_t i = 0; i < n; ++i) {
     std::uint32_t code = 0;
     int offset = 0;
     const std::uint8_t* shard = packed;
-    for (int k : {8, 4, 2, 1}) {
+    for (std::size_t si = 0; si < shard_bytes.size(); ++si) {
+      const int k = 8 >> si;
       if (!(spec.bits & k)) continue;
-      const std::size_t nbytes = ceil_div(n, static_cast<std::size_t>(8 / k));
+      const std::size_t nbytes = shard_bytes[si];
       const std::uint32_t byte = shard[i % nbytes];
       const auto j = static_cast<int>(i / nbytes);
       code |= ((byte >> (j * k)) & ((1u << k) - 1u)) << offset;

@@ -181,10 +181,8 @@ void decode_uintx_cuda(const UintxSpec& spec, const std::uint8_t* packed, const 
   check_wide(spec.cols, spec.group, out);
   UintxArgs a{packed, scale, zero, out, spec.rows * spec.cols, spec.cols, spec.group, {0, 0, 0, 0}, spec.bits,
               spec.orig};
-  for (int s = 0; s < 4; ++s) {
-    const auto per_byte = static_cast<std::size_t>(8 / (8 >> s));
-    if (spec.bits & (8 >> s)) a.shard_bytes[s] = (a.n + per_byte - 1) / per_byte;
-  }
+  const std::array<std::size_t, 4> shard_bytes = uintx_shard_bytes(spec);
+  std::copy(shard_bytes.begin(), shard_bytes.end(), a.shard_bytes);
   launch<UintxKernel>(a, spec.out, static_cast<cudaStream_t>(stream));
   LS_CUDA_CHECK_MSG(cudaGetLastError(), "uintx decode kernel launch failed");
 }

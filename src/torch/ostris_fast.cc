@@ -8,6 +8,7 @@
 #include "layerstream/log.h"
 #include "layerstream/ostris_decode.h"
 #include "settings.h"
+#include "streamed_layer.h"
 
 #ifdef LAYERSTREAM_TORCH_CUDA
 #include <c10/cuda/CUDAStream.h>
@@ -19,22 +20,6 @@ namespace {
 
 bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
-}
-
-std::optional<RealType> real_type(c10::ScalarType t) {
-  switch (t) {
-    case c10::ScalarType::Float: return RealType::kFloat32;
-    case c10::ScalarType::Half: return RealType::kFloat16;
-    case c10::ScalarType::BFloat16: return RealType::kBFloat16;
-    default: return std::nullopt;
-  }
-}
-
-std::optional<c10::ScalarType> dtype_named(const std::string& name) {
-  if (name == "torch.float32") return c10::ScalarType::Float;
-  if (name == "torch.float16") return c10::ScalarType::Half;
-  if (name == "torch.bfloat16") return c10::ScalarType::BFloat16;
-  return std::nullopt;
 }
 
 void own_forward(const std::string& backend, const std::string& why) {
@@ -55,7 +40,7 @@ std::string fill(OstrisFast& f, const py::object& module, const py::object& q, c
     f.format = OstrisFast::Format::kUintx;
     f.bits = q.attr("nbits").cast<int>();
     f.group = q.attr("group_size").cast<std::int64_t>();
-    const auto orig = dtype_named(py::str(module.attr("ostris_orig_dtype")));
+    const auto orig = real_type_of(module.attr("ostris_orig_dtype").cast<at::ScalarType>());
     if (!orig) return "an original dtype other than float32, float16 or bfloat16";
     f.orig = *orig;
     f.packed = pos("uintx_packed"), f.scale = pos("uintx_scale"), f.zero = pos("uintx_zero_point");
@@ -127,7 +112,7 @@ OstrisFast recognise_ostris(const py::object& module, const std::vector<std::str
   try {
     const py::dict helpers = cls.attr("forward").attr("__globals__");
     why = fill(f, module, q, helpers, names);
-  } catch (py::error_already_set& e) {
+  } catch (const std::exception& e) {  // py::error_already_set, py::cast_error
     why = std::string("attributes of another AI-Toolkit version: ") + e.what();
   }
   if (!why.empty()) {
@@ -151,7 +136,7 @@ std::string decode_uintx_into(const OstrisFast& f, const std::vector<at::Tensor>
   const at::Tensor& scale = staged[static_cast<std::size_t>(f.scale)];
   const at::Tensor& zero = staged[static_cast<std::size_t>(f.zero)];
   const UintxSpec spec{static_cast<std::size_t>(w.size(0)), static_cast<std::size_t>(w.size(1)), f.bits,
-                       static_cast<std::size_t>(f.group), *real_type(f.orig), out};
+                       static_cast<std::size_t>(f.group), f.orig, out};
   const std::size_t groups = spec.rows * (spec.cols / spec.group);
   if (static_cast<std::size_t>(packed.numel()) != uintx_packed_bytes(spec) || scale.nbytes() != real_size(spec.orig) * groups ||
       zero.scalar_type() != at::kByte || static_cast<std::size_t>(zero.numel()) != groups || !zero.is_contiguous()) {
@@ -169,15 +154,16 @@ std::string decode_uintx_into(const OstrisFast& f, const std::vector<at::Tensor>
   return "";
 }
 
-std::string decode_codebook_into(OstrisFast& f, const std::vector<at::Tensor>& staged, at::Tensor& w, RealType out,
+std::string decode_codebook_into(const OstrisFast& f, const std::vector<at::Tensor>& staged, at::Tensor& w, RealType out,
                                  const py::object& x, [[maybe_unused]] bool on_cuda) {
   const at::Tensor& packed = staged[static_cast<std::size_t>(f.packed)];
   const at::Tensor& scale = staged[static_cast<std::size_t>(f.scale)];
   at::Tensor cb;
+  std::int64_t entries = f.entries;
   if (f.codebook >= 0) {  // orbit: the float32 codebook kept as bytes
     cb = staged[static_cast<std::size_t>(f.codebook)];
     if (cb.scalar_type() != at::kByte || cb.nbytes() % 4 != 0 || !cb.is_contiguous()) return "a codebook not of float32 bytes";
-    f.entries = static_cast<std::int64_t>(cb.nbytes() / 4);
+    entries = static_cast<std::int64_t>(cb.nbytes() / 4);
   } else {  // orbit-VQ: the backend's per-device lattice table
     cb = f.vq_tables(f.lattice, f.entries, x.attr("device")).attr("codebook").cast<at::Tensor>();
     if (cb.scalar_type() != at::kFloat || !cb.is_contiguous() || cb.device() != packed.device() ||
@@ -185,9 +171,9 @@ std::string decode_codebook_into(OstrisFast& f, const std::vector<at::Tensor>& s
       return "a lattice codebook not of float32 [codebook_size, vec_dim] on the layer's device";
     }
   }
-  const auto scale_type = real_type(scale.scalar_type());
+  const auto scale_type = real_type_of(scale.scalar_type());
   const CodebookSpec spec{static_cast<std::size_t>(w.size(0)), static_cast<std::size_t>(w.size(1)), f.bits,
-                          static_cast<std::size_t>(f.vec_dim), static_cast<std::size_t>(f.entries),
+                          static_cast<std::size_t>(f.vec_dim), static_cast<std::size_t>(entries),
                           static_cast<std::size_t>(f.group), scale_type.value_or(RealType::kFloat32), out};
   if (!scale_type || static_cast<std::size_t>(scale.numel()) != spec.rows * (spec.cols / spec.group) ||
       (spec.rows * spec.cols) % spec.vec_dim != 0 || static_cast<std::size_t>(packed.numel()) != codebook_packed_bytes(spec) ||
@@ -228,7 +214,7 @@ std::optional<py::object> ostris_fast_forward(const py::object& module, OstrisFa
                                               const py::object& x, bool decoded_on_cuda) {
   if (fast.format == OstrisFast::Format::kNone || fast.refused || !THPVariable_Check(x.ptr())) return std::nullopt;
   const at::Tensor xt = x.cast<at::Tensor>();
-  const auto out_type = real_type(xt.scalar_type());
+  const auto out_type = real_type_of(xt.scalar_type());
   const at::Tensor& packed = staged[static_cast<std::size_t>(fast.packed)];
   if (!out_type || xt.device() != packed.device()) return std::nullopt;  // (the backend's own call decides)
   const auto rows = module.attr("out_features").cast<std::int64_t>();

@@ -13,6 +13,8 @@
 
 #include <torch/csrc/utils/pybind.h>
 
+#include "layerstream/dequant.h"
+
 #include <optional>
 #include <string>
 #include <vector>
@@ -26,8 +28,9 @@ struct OstrisFast {
   Format format = Format::kNone;
   std::string backend;  // the quantizer's class name, for the log
   int bits = 0;
-  std::int64_t vec_dim = 1, group = 0, block = 0, entries = 0;
-  c10::ScalarType orig = c10::ScalarType::BFloat16;  // uintx: the scale's type (the layer's original one)
+  std::int64_t vec_dim = 1, group = 0, block = 0;
+  std::int64_t entries = 0;  // orbit-VQ: the lattice codebook's rows (orbit's come from its codebook buffer)
+  RealType orig = RealType::kBFloat16;  // uintx: the scale's type (the layer's original one)
   // Positions in LayerManager::buffer_names (-1: none).
   int packed = -1, scale = -1, zero = -1, codebook = -1, perm = -1, signs = -1;
   py::object rotate;     // codebook formats: the backend module's rpbh_forward(x, perm, signs, block)

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "device_state.h"
+#include "layerstream/dequant.h"
 #include "layerstream/lossless.h"
 
 namespace layerstream::torchglue {
@@ -63,8 +64,10 @@ void set_decode_blocks(unsigned blocks);
 // The quantized weights the fused path takes: int8/float8 codes with a float32/float16/bfloat16 scale,
 // one per output row (shape [out, 1, ...]) or one for the tensor.
 bool quantized_layout_supported(const at::Tensor& codes, const at::Tensor& scale);
-// float32, float16 or bfloat16: the dtypes a scale, the math and a dequantized weight may have.
+// float32, float16 or bfloat16: the dtypes a scale, the math and a dequantized weight may have; the core's
+// name of one (nullopt for any other dtype).
 bool is_real_dtype(at::ScalarType t);
+std::optional<RealType> real_type_of(at::ScalarType t);
 
 // Host memory the managed layers hold, over the process (stats()): arena blocks, pinned, whose weight is
 // packed (lossless or float8: the packed part) or stored as it is (weights, biases, buffers); and pageable

@@ -31,13 +31,6 @@ std::optional<CodeType> code_type_of(at::ScalarType t) {
   return std::nullopt;
 }
 
-std::optional<RealType> real_type_of(at::ScalarType t) {
-  if (t == at::kFloat) return RealType::kFloat32;
-  if (t == at::kHalf) return RealType::kFloat16;
-  if (t == at::kBFloat16) return RealType::kBFloat16;
-  return std::nullopt;
-}
-
 // One scale per output row (shape [out, 1, ...]) or one scale for the tensor.
 bool per_row_or_single(c10::IntArrayRef scale_sizes, c10::IntArrayRef codes_sizes) {
   std::int64_t numel = 1;
@@ -91,6 +84,13 @@ void run_core_dequant(const DequantSpec& spec, const at::Tensor& codes, const at
 }
 
 }  // namespace
+
+std::optional<RealType> real_type_of(at::ScalarType t) {
+  if (t == at::kFloat) return RealType::kFloat32;
+  if (t == at::kHalf) return RealType::kFloat16;
+  if (t == at::kBFloat16) return RealType::kBFloat16;
+  return std::nullopt;
+}
 
 bool is_real_dtype(at::ScalarType t) { return real_type_of(t).has_value(); }
 
