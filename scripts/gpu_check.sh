@@ -35,13 +35,15 @@
 #   mem    memory first: FLUX.1 100% streamed stock vs layerstream's default ring; AI-Toolkit's flow (model on the
 #          GPU before attach, an encoder freed, samples, buckets) under 24 GiB: resident, layerstream auto, stock at
 #          0.5, and layerstream auto with 4 GiB taken by the user between steps (LAYERSTREAM_MEM_RUNS picks;
-#          also detflow, flownp (the flow without the earlier peak: attached from the host, no encoder), flow2,
+#          also detflow, flownp (the flow without the earlier peak: attached from the host, no encoder), flow2, flow2np,
 #          and flowcyc/flow2cyc/pressurecyc: FLUX.1/FLUX.2 flow with LAYERSTREAM_VRAM_PEAK=cycles,
 #          flowcycll/flow2cycll: the same with LAYERSTREAM_HOST_DTYPE=lossless; flow, flow2, pressure and detflow
 #          run the default measure: cycles since 40c26cb, window before)
 #   rings  FLUX.1-shaped bf16 100% streamed, layerstream alone, at several ring sizes, lookaheads and
 #          placements (LAYERSTREAM_PERF_RINGS="default default:lru 1024 1536x16:lru ...": MiB, x layers,
 #          :fifo or :lru for LAYERSTREAM_RING_POLICY)
+#   models Qwen-Image- and Wan 2.2-shaped under 24 GiB (issue 25): stock's sweep against layerstream auto, bf16 and
+#          float8, and bitwise losses against all-resident (LAYERSTREAM_MODEL_RUNS picks; about 2-4 minutes each)
 #   aitkmm AI-Toolkit's own toolkit/memory_management/test_memory_manager.py, unchanged (1.2B, LoRA 32, bf16 and
 #          its float8 quantize(), 100% offload or none, checkpointing on and off: 8 subprocesses) in a scratch
 #          copy of .aitk/<commit> (LAYERSTREAM_AITKMM_DIR; it needs the checkout's toolkit/ Python files, info.py
@@ -564,6 +566,13 @@ PY
       --aitk-flow --vram-cap-gb 24 --warmup 2 --steps 4 --mode layerstream --host-dtype lossless
     grep -E "found no room|VRAM budget on|lossless packing" "$OUT/all.log" | tail -n 4 | sed 's/^/      /' >>"$OUT/summary.txt"
   fi
+  if [[ $MRUNS == *,flow2np,* ]]; then
+    # FLUX.2 in the flow without the earlier peak (issue 20): attached from the host, no encoder.
+    step "AI-Toolkit's flow without the earlier peak, FLUX.2-shaped: layerstream auto under a 24 GiB cap"
+    flux mem_flux2_flow_nopeak LAYERSTREAM_VRAM_BUDGET=auto --preset flux2 --aitk-flow --vram-cap-gb 24 --warmup 2 \
+      --steps 4 --mode layerstream --no-flow-earlier-peak
+    grep -E "found no room|VRAM budget on" "$OUT/all.log" | tail -n 2 | sed 's/^/      /' >>"$OUT/summary.txt"
+  fi
   if [[ $MRUNS == *,flow2,* ]]; then
     step "AI-Toolkit's flow under a 24 GiB cap, FLUX.2-shaped: layerstream auto"
     flux mem_flux2_flow LAYERSTREAM_VRAM_BUDGET=auto --preset flux2 --aitk-flow --vram-cap-gb 24 --warmup 2 --steps 4 \
@@ -585,6 +594,44 @@ if want ostris; then
       --cap-gb "${LAYERSTREAM_OSTRIS_CAP_GB:-24}" --warmup 2 --steps 3 --aitk-dir "${AI_TOOLKIT_DIR%%:*}" \
       --json-out "$OUT/ostris_$n.json" --md-out "$OUT/ostris_$n.md"
     grep -E "^\|" "$OUT/ostris_$n.md" 2>/dev/null | sed 's/^/      /' >>"$OUT/summary.txt"
+  done
+fi
+
+if want models && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
+  # The models AI-Toolkit offloads today beside FLUX.2 (issue 25), under a 24 GiB cap; LAYERSTREAM_MODEL_RUNS picks
+  # (space-separated, in that order): qwen8 / wan / wan8 = Qwen-Image-shaped float8, Wan 2.2 14B-shaped (41 frames)
+  # bf16 and float8 (torchao's Float8WeightOnlyConfig as AI-Toolkit quantizes with layer offloading), each
+  # stock at offload_percent 0.5 and 1.0 (its best reported) against layerstream auto; qwendet / wandet = bf16
+  # with strict deterministic kernels, all-resident uncapped against layerstream auto under the cap, losses
+  # compared bit for bit. LAYERSTREAM_MODEL_STEPS="WARMUP STEPS" (default "2 3").
+  ensure_installed
+  read -r MW MS <<<"${LAYERSTREAM_MODEL_STEPS:-2 3}"
+  for item in ${LAYERSTREAM_MODEL_RUNS:-wan qwen8 qwendet wandet wan8}; do
+    case $item in
+      qwen*) preset=qwen-image ;;
+      wan*) preset=wan22-41f ;;
+      *) echo "   FAIL models: unknown run '$item'" | tee -a "$OUT/summary.txt"; status=1; continue ;;
+    esac
+    Q=(); [[ $item == *8 ]] && Q=(--quantize float8)
+    if [[ $item == *det ]]; then
+      step "$preset bf16, deterministic kernels: all-resident uncapped against layerstream auto under 24 GiB"
+      flux "model_${item}_resident" --preset "$preset" --mode resident --deterministic --warmup "$MW" --steps "$MS"
+      flux "model_${item}" LAYERSTREAM_VRAM_BUDGET=auto --preset "$preset" --mode layerstream --deterministic \
+        --vram-cap-gb 24 --warmup "$MW" --steps "$MS"
+      python3 - "$OUT/model_${item}_resident.json" "$OUT/model_${item}.json" >>"$OUT/summary.txt" 2>&1 <<'PY'
+import json, sys
+rows = [json.load(open(p))["results"][0] for p in sys.argv[1:]]
+a, b = (r.get("losses") for r in rows)
+print("      losses resident   ", a)
+print("      losses layerstream", b)
+print("      losses bitwise equal:", a is not None and a == b)
+PY
+    else
+      step "$preset ${Q[*]:-bf16} under 24 GiB: stock at 0.5 and 1.0 against layerstream auto"
+      flux "model_${item}" LAYERSTREAM_VRAM_BUDGET=auto --preset "$preset" "${Q[@]}" --mode stock,layerstream \
+        --stock-sweep 0.5,1.0 --vram-cap-gb 24 --warmup "$MW" --steps "$MS"
+      grep -E "VRAM budget on" "$OUT/all.log" | tail -n 1 | sed 's/^/      /' >>"$OUT/summary.txt"
+    fi
   done
 fi
 
