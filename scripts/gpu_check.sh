@@ -51,7 +51,10 @@
 #          library pair (.whl/*.whl: torchao 0.10.0, optimum-quanto 0.2.4) and the current one (.whl/current/:
 #          torchao 0.18.0, optimum-quanto 0.2.7, in front); LAYERSTREAM_AITKMM picks among pinned:stock
 #          pinned:copy pinned:patch current:stock current:copy current:patch (default all six); each run's
-#          versions and table go to $OUT/aitkmm-<pair>-<engine>.txt and the table into the summary
+#          versions and table go to $OUT/aitkmm-<pair>-<engine>.txt and the table into the summary (about 4.6
+#          minutes a run)
+#   aitkmmab  the same script one configuration at a time (`--run N`), stock and layerstream copy mode
+#          alternating, medians over LAYERSTREAM_AITKMM_REPEAT rounds (LAYERSTREAM_AITKMM_CONFIGS, _PAIRS pick)
 # One lent-machine call has 10 minutes: `core`, `py,quant`, `san` and `bench` each fit one call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -648,34 +651,86 @@ print("torch", torch.__version__, "torchao", m.version("torchao"), "optimum-quan
       python3 toolkit/memory_management/test_memory_manager.py; } | tee "$txt" )
 }
 
-if want aitkmm; then
-  ensure_installed
+# The scratch copy of AI-Toolkit for `aitkmm` and `aitkmmab` (AITKMM_SRC), and the current library pair's site
+# (/tmp/site-current); false with a FAIL line when the copy lacks what the script needs.
+aitkmm_ready() {
   AITKMM_SRC="${LAYERSTREAM_AITKMM_DIR:-$(ls -d "$PWD"/.aitk/27a03a91 2>/dev/null)}"
   if [[ ! -f "$AITKMM_SRC/toolkit/memory_management/test_memory_manager.py" || ! -f "$AITKMM_SRC/version.py" ]]; then
     echo "   FAIL aitkmm: '$AITKMM_SRC' has no toolkit/memory_management/test_memory_manager.py and version.py" \
       "(copy the checkout's toolkit/*.py, info.py and version.py there, or set LAYERSTREAM_AITKMM_DIR)" | tee -a "$OUT/summary.txt"
     status=1
-  else
-    if compgen -G ".whl/current/*.whl" >/dev/null && [[ ! -e /tmp/site-current/.installed ]]; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-current \
-        .whl/current/*.whl && touch /tmp/site-current/.installed
-    fi
-    for item in ${LAYERSTREAM_AITKMM:-pinned:stock pinned:copy pinned:patch current:stock current:copy current:patch}; do
-      pair=${item%%:*} engine=${item#*:}
-      site="${PYTHONPATH:-}"
-      if [[ $pair == current ]]; then
-        [[ -e /tmp/site-current/.installed ]] || { echo "   FAIL aitkmm_$pair-$engine: no wheels in .whl/current/" \
-          | tee -a "$OUT/summary.txt"; status=1; continue; }
-        site="/tmp/site-current${site:+:$site}"
-      fi
-      step "AI-Toolkit's test_memory_manager.py, $engine, library pair $pair"
-      tree="/tmp/aitkmm/$pair-$engine"
-      rm -rf "$tree" && mkdir -p /tmp/aitkmm && cp -r "$AITKMM_SRC" "$tree"
-      txt="$OUT/aitkmm-$pair-$engine.txt"
-      run "aitkmm_$pair-$engine" aitkmm_one "$engine" "$tree" "$site" "$txt"
-      grep -E "│" "$txt" 2>/dev/null | sed "s/^/      $pair-$engine /" >>"$OUT/summary.txt"
-    done
+    return 1
   fi
+  if compgen -G ".whl/current/*.whl" >/dev/null && [[ ! -e /tmp/site-current/.installed ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-current \
+      .whl/current/*.whl && touch /tmp/site-current/.installed
+  fi
+}
+# The PYTHONPATH of library pair PAIR (pinned: the image's site with .whl's wheels; current: those of .whl/current
+# in front); false with a FAIL line when the current pair's wheels are missing.
+aitkmm_site() {  # aitkmm_site PAIR LABEL
+  AITKMM_SITE="${PYTHONPATH:-}"
+  [[ $1 == current ]] || return 0
+  [[ -e /tmp/site-current/.installed ]] || { echo "   FAIL $2: no wheels in .whl/current/" | tee -a "$OUT/summary.txt"; \
+    status=1; return 1; }
+  AITKMM_SITE="/tmp/site-current${AITKMM_SITE:+:$AITKMM_SITE}"
+}
+
+if want aitkmm && ensure_installed && aitkmm_ready; then
+  for item in ${LAYERSTREAM_AITKMM:-pinned:stock pinned:copy pinned:patch current:stock current:copy current:patch}; do
+    pair=${item%%:*} engine=${item#*:}
+    aitkmm_site "$pair" "aitkmm_$pair-$engine" || continue
+    step "AI-Toolkit's test_memory_manager.py, $engine, library pair $pair"
+    tree="/tmp/aitkmm/$pair-$engine"
+    rm -rf "$tree" && mkdir -p /tmp/aitkmm && cp -r "$AITKMM_SRC" "$tree"
+    txt="$OUT/aitkmm-$pair-$engine.txt"
+    run "aitkmm_$pair-$engine" aitkmm_one "$engine" "$tree" "$AITKMM_SITE" "$txt"
+    grep -E "│" "$txt" 2>/dev/null | sed "s/^/      $pair-$engine /" >>"$OUT/summary.txt"
+  done
+fi
+
+if want aitkmmab && ensure_installed && aitkmm_ready; then
+  # AI-Toolkit's test_memory_manager.py one configuration at a time (its own `--run N`, the subprocess its main()
+  # starts), stock and layerstream (copy mode) alternating, so that both see the same machine: a whole `aitkmm`
+  # run takes 4.6 minutes, and its rows without offloading, the same code under both, differed by up to 34%
+  # between runs (2026-12-02). LAYERSTREAM_AITKMM_CONFIGS: the configurations (default "2 3 6 7": bf16 and
+  # float8 at 100% offload, checkpointing on and off; 0, 1, 4, 5 are the same without offloading),
+  # LAYERSTREAM_AITKMM_PAIRS (default "pinned current"), LAYERSTREAM_AITKMM_REPEAT rounds (default 2; about 35 s a
+  # run). Every result goes to $OUT/aitkmmab.txt; the summary gets each configuration's median per engine.
+  for pair in ${LAYERSTREAM_AITKMM_PAIRS:-pinned current}; do
+    aitkmm_site "$pair" "aitkmmab_$pair" || continue
+    step "AI-Toolkit's test_memory_manager.py, stock and layerstream alternating, library pair $pair"
+    for engine in stock copy; do
+      tree="/tmp/aitkmm/ab-$pair-$engine"
+      rm -rf "$tree" && mkdir -p /tmp/aitkmm && cp -r "$AITKMM_SRC" "$tree"
+      [[ $engine == stock ]] || run "aitkmmab_install_$pair" python3 -m layerstream install "$tree" --mode "$engine"
+    done
+    for ((round = 1; round <= ${LAYERSTREAM_AITKMM_REPEAT:-2}; round++)); do
+      for n in ${LAYERSTREAM_AITKMM_CONFIGS:-2 3 6 7}; do
+        for engine in stock copy; do
+          ( cd "/tmp/aitkmm/ab-$pair-$engine" && PYTHONPATH="$AITKMM_SITE" timeout 300 python3 \
+              toolkit/memory_management/test_memory_manager.py --run "$n" 2>&1 ) \
+            | grep "^RESULT " | sed "s/^RESULT /$pair $engine $round /" >>"$OUT/aitkmmab.txt"
+        done
+      done
+    done
+  done
+  python3 - "$OUT/aitkmmab.txt" >>"$OUT/summary.txt" 2>&1 <<'PY'
+import json, statistics, sys
+runs = {}
+for line in open(sys.argv[1]):
+    pair, engine, _, payload = line.split(" ", 3)
+    r = json.loads(payload)
+    runs.setdefault((pair, r["label"]), {}).setdefault(engine, []).append(r)
+print("      | pair | configuration | stock ms (median, runs) | layerstream ms | speed-up | peak VRAM GB stock / layerstream |")
+for (pair, label), by in runs.items():
+    ms = {e: statistics.median(x["ms"] for x in rs) for e, rs in by.items()}
+    vram = {e: max(x["peak"] for x in rs) for e, rs in by.items()}
+    each = {e: ", ".join("%.1f" % x["ms"] for x in rs) for e, rs in by.items()}
+    if "stock" in ms and "copy" in ms:
+        print(f"      | {pair} | {label} | {ms['stock']:.1f} ({each['stock']}) | {ms['copy']:.1f} ({each['copy']}) | "
+              f"{ms['stock'] / ms['copy']:.2f}x | {vram['stock']:.2f} / {vram['copy']:.2f} |")
+PY
 fi
 
 if want ddp; then
