@@ -172,3 +172,40 @@ def test_text_encoder_bitwise_on_every_call_then_freed(engine, device, encoder, 
     gc.collect()
     assert mm.stats()["host_bytes_requested"] == before
     assert mm.live_device_states() == 0
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_tied_embedding_moved_by_its_module_between_calls(engine, device, driver):
+    """Z-Image's encoder on a GPU: `embed_tokens` (moved whole by manager.py) and the managed `lm_head` share one
+    Parameter, so every `.to(device)` gives the Parameter new storage, and the next call of `lm_head` packs it
+    again. Emulated here on every engine by giving the Parameter a copy of its values before each call, as the
+    move does: the outputs stay bitwise the unmanaged model's, a pack again frees the block it replaces (the
+    host bytes do not grow from call to call), and the freed encoder returns every byte."""
+    build, call = ENCODERS["qwen3-tied"]
+    torch.manual_seed(0)
+    base = build().to(torch.bfloat16).eval().requires_grad_(False)
+    with torch.no_grad():
+        expected = call(copy.deepcopy(base).to(device), device)
+    gc.collect()
+    before = mm.stats()["host_bytes_requested"]
+    model = copy.deepcopy(base)
+    manager = _driver(driver)
+    manager.attach(model, device)
+    manager.to_device(model, device)
+    tied = model.model.embed_tokens.weight
+    assert tied is model.lm_head.weight and hasattr(model.lm_head, "_layer_memory_manager")
+    held = []
+    for _ in range(4):
+        tied.data = tied.data.clone()  # the storage a move gives it
+        with torch.no_grad():
+            got = call(model, device)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+        held.append(mm.stats()["host_bytes_requested"])
+    assert held[1:] == held[:-1], f"host bytes grew from call to call: {held}"
+    if not manager.free(model):
+        return
+    del model, got, tied
+    for key in list(mm._DEVICE_STATE):
+        del mm._DEVICE_STATE[key]
+    gc.collect()
+    assert mm.stats()["host_bytes_requested"] == before
