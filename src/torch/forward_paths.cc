@@ -55,8 +55,9 @@ py::object generic_forward(const py::object& module, const py::object& x, bool c
 
 // Per call on the quantized path: a weight that takes a gradient goes through the library (generic
 // path: its autograd is right); a replaced weight, swapped codes or a replaced bias are packed again.
-py::object quantized_forward(const py::object& module, LayerManager& core, const py::object& x, bool conv,
-                             const std::shared_ptr<DeviceState>& state) {
+// nullopt: the weight is no longer one the path streams (the caller attaches the layer again).
+std::optional<py::object> quantized_forward(const py::object& module, LayerManager& core, const py::object& x,
+                                            bool conv, const std::shared_ptr<DeviceState>& state) {
   py::object w = param_of(module, "weight");
   if (at::GradMode::is_enabled() && w.cast<at::Tensor>().requires_grad()) {
     log_once("quantized-trainable", LogLevel::kInfo,
@@ -72,15 +73,86 @@ py::object quantized_forward(const py::object& module, LayerManager& core, const
               core.layer->is_current(holder.attr(core.codes_attr.c_str()).cast<at::Tensor>(), bias);
   }
   if (!current) {
-    if (!streams_quantized(w)) {
-      throw py::value_error("layerstream: this layer's weight was replaced by one it cannot stream (" +
-                            py::str(py::type::of(w)).cast<std::string>() +
-                            "); detach the layer (MemoryManager.detach) before replacing its weight with another kind");
-    }
+    if (!streams_quantized(w)) return std::nullopt;
     pack_quantized(module, core);
   }
   // `bias` is the Parameter itself: a re-pack swaps its data, not its identity.
   return py::cast(core.layer->forward_frozen(x.cast<at::Tensor>(), bias));
+}
+
+// The streamed and cpu paths: the StreamedLayer's autograd function on the layer's weight and bias.
+py::object streamed_forward(const py::object& module, StreamedLayer& layer, const py::object& weight_obj,
+                            const py::object& x) {
+  // sync_packed_weight refreshes the layer, and hands that back when no Python code ran after it: forward
+  // then need not check again. From there to forward no Python code runs either (param_of reads the
+  // _parameters dict; the casts unwrap tensors) and the GIL is held, so no other thread can replace or
+  // write the Parameters in between. The Parameter object stays the same through sync_packed_weight (its
+  // contents are swapped in place).
+  std::optional<StreamedLayer::Refreshed> refreshed;
+  if (layer.lossless_takes_weight() || is_packed_weight(weight_obj)) refreshed = sync_packed_weight(module, layer);
+  const at::Tensor weight = weight_obj.cast<at::Tensor>();
+  const at::Tensor bias = tensor_or_undefined(param_of(module, "bias"));
+  return py::cast(layer.forward(x.cast<at::Tensor>(), weight, bias, refreshed));
+}
+
+// A weight that changed kind since its layer was attached (AI-Toolkit quantizes a text encoder after attaching
+// it: torchao's quantize_ gives each Linear a new, quantized Parameter; a quantized layer may get a plain
+// weight back): the layer is attached again, with the same manager object and forward, on the path its weight
+// now takes. The StreamedLayer it had goes (a tensor still viewing its block keeps the block: tied weights).
+void attach_again(const py::object& module, LayerManager& core, const std::shared_ptr<DeviceState>& state,
+                  bool conv) {
+  const std::string was = path_name(core.path);
+  core.layer.reset();
+  core.quant_weight = py::none();
+  core.holder_attr.clear();
+  core.codes_attr.clear();
+  core.scale_attr.clear();
+  const py::object weight = param_of(module, "weight");
+  const std::string type = py::str(py::type::of(weight)).cast<std::string>();
+  const std::string kind = describe_weight(weight);
+  attach_weighted(module, core, state, conv);
+  mark_params_managed(module);
+  const std::string now = path_name(core.path);
+  log_once("attach-again-" + was + "-" + now + "-" + type, LogLevel::kInfo,
+           "a managed layer's weight changed kind after attach (now " + kind + "): layers whose weight becomes " +
+               type + " leave the " + was + " path for the " + now + " path");
+}
+
+// One call of a managed layer on its path; a layer whose weight changed kind is attached again first.
+py::object call_path(const py::object& module, const py::object& mgr, LayerManager& core, const py::object& x,
+                     const std::shared_ptr<DeviceState>& state, bool conv) {
+  for (int attempt = 0;; ++attempt) {
+    switch (core.path) {
+      case ForwardPath::kOstris:
+        return ostris_forward(module, core, mgr.attr("_original_forward"), x, state);
+      case ForwardPath::kGeneric:
+        return generic_forward(module, x, conv, state);
+      case ForwardPath::kQuantized:
+        if (std::optional<py::object> out = quantized_forward(module, core, x, conv, state)) return *out;
+        break;
+      case ForwardPath::kStreamed:
+      case ForwardPath::kCpu:
+      case ForwardPath::kUnset: {
+        const py::object weight_obj = param_of(module, "weight");
+        if (has_plain_type(weight_obj)) return streamed_forward(module, *core.layer, weight_obj, x);
+        break;
+      }
+    }
+    LS_CHECK(attempt == 0, "layerstream: a layer attached again for its weight's kind still finds it of another kind");
+    attach_again(module, core, state, conv);
+  }
+}
+
+void refuse_meta_weights(const py::object& module, const py::object& weight, const py::object& bias) {
+  for (const py::object& t : {weight, bias}) {
+    if (!t.is_none() && py::hasattr(t, "is_meta") && t.attr("is_meta").cast<bool>()) {
+      const std::string name = py::str(module.attr("__class__").attr("__name__")).cast<std::string>() + "(" +
+                               py::str(module.attr("extra_repr")()).cast<std::string>() + ")";
+      throw py::value_error(
+          "cannot manage " + name + ": its weights are on the meta device (shapes without data); load real weights into the model "
+          "(load_state_dict(..., assign=True), or to_empty() then load) before MemoryManager.attach");
+    }
+  }
 }
 
 }  // namespace
@@ -113,13 +185,65 @@ void pack_quantized(const py::object& module, LayerManager& core) {
   core.scale_attr = q->scale_attr;
 }
 
+// Linear and Conv2d: a plain weight is packed (streamed, or cpu on a CPU state), a quantized one the
+// engine streams as stored is packed as codes and scale, anything else takes the generic path.
+void attach_weighted(const py::object& module, LayerManager& core, const std::shared_ptr<DeviceState>& state,
+                     bool conv) {
+  py::object weight = py::dict(module.attr("_parameters")).attr("get")("weight");
+  py::object bias = py::getattr(module, "bias", py::none());
+  refuse_meta_weights(module, weight, bias);
+  // Zero-size layers have nothing to stream: they take the generic path (moved per call, for free).
+  const bool empty = !weight.is_none() && weight.attr("numel")().cast<std::int64_t>() == 0;
+  const bool plain = !weight.is_none() && !empty && is_plain(weight) && is_plain(bias) &&
+                     (!conv || conv_is_plain(module));
+  if (plain) {
+    core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,
+                                                    conv ? conv_params_of(module) : ConvParams{});
+    if (is_packed_weight(weight)) {
+      // A PackedWeight (of a layer managed before): plain again, packed below as this layer's. One that
+      // another live layer holds (tied weights) cannot be swapped; it stays as it is.
+      try {
+        packed_weight_module().attr("unwrap")(weight);
+      } catch (const py::error_already_set&) {
+      }
+    }
+    // A Parameter another managed layer already packed (tied weights): that layer's block keeps it.
+    const bool tied = py::hasattr(weight, "_is_memory_managed");
+    const at::Tensor values =
+        is_packed_weight(weight) ? weight.attr("_ls_packed").attr("values")().cast<at::Tensor>() : at::Tensor();
+    core.layer->pack(weight.cast<at::Tensor>(), tensor_or_undefined(bias), tied, values);
+    if (core.layer->lossless_takes_weight()) sync_packed_weight(module, *core.layer);
+    core.path = state->mode() == Mode::kCpu ? ForwardPath::kCpu : ForwardPath::kStreamed;
+  } else if (!empty && (!conv || conv_is_plain(module)) && is_plain(bias) && streams_quantized(weight)) {
+    core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,
+                                                    conv ? conv_params_of(module) : ConvParams{});
+    pack_quantized(module, core);
+    core.path = ForwardPath::kQuantized;
+  } else {
+    if (!empty && !is_plain(weight)) {
+      const std::string kind = describe_weight(weight);
+      log_once("generic-weight-" + kind, LogLevel::kInfo,
+               "weights of type " + kind + " take the generic path (moved as stored and dequantized by their "
+               "library at every call, no prefetch): not a layout layerstream streams natively (docs/ai-toolkit.md, "
+               "Quantized weights)");
+    }
+    move_params_to_cpu(module);
+    core.path = ForwardPath::kGeneric;
+  }
+}
+
+void mark_params_managed(const py::object& module) {
+  for (auto p : module.attr("parameters")(py::arg("recurse") = false)) {
+    py::setattr(p, "_is_memory_managed", py::bool_(true));
+  }
+}
+
 py::cpp_function make_forward(const py::object& module, const py::object& manager_obj,
-                              c10::intrusive_ptr<StreamedLayer> layer, std::shared_ptr<DeviceState> state,
-                              ForwardPath path, bool conv) {
+                              std::shared_ptr<DeviceState> state, bool conv) {
   py::object weakref = py::module_::import("weakref").attr("ref");
   py::object module_ref = weakref(module);
   py::object manager_ref = weakref(manager_obj);
-  return py::cpp_function([module_ref, manager_ref, layer, state, path, conv](py::args args, py::kwargs kwargs) -> py::object {
+  return py::cpp_function([module_ref, manager_ref, state, conv](py::args args, py::kwargs kwargs) -> py::object {
     py::object mgr = manager_ref();
     py::object module = module_ref();
     if (mgr.is_none() || module.is_none()) {
@@ -130,30 +254,7 @@ py::cpp_function make_forward(const py::object& module, const py::object& manage
       // Upstream contract: any extra argument goes to the original forward unchanged.
       return mgr.attr("_original_forward")(*args, **kwargs);
     }
-    py::object x = args[0];
-    switch (path) {
-      case ForwardPath::kOstris:
-        return ostris_forward(module, mgr.cast<LayerManager&>(), mgr.attr("_original_forward"), x, state);
-      case ForwardPath::kGeneric:
-        return generic_forward(module, x, conv, state);
-      case ForwardPath::kQuantized:
-        return quantized_forward(module, mgr.cast<LayerManager&>(), x, conv, state);
-      case ForwardPath::kStreamed:
-      case ForwardPath::kCpu:
-      case ForwardPath::kUnset:
-        break;
-    }
-    // The Parameter object stays the same through sync_packed_weight (its contents are swapped in place).
-    const py::object weight_obj = param_of(module, "weight");
-    // sync_packed_weight refreshes the layer, and hands that back when no Python code ran after it: forward
-    // then need not check again. From there to forward no Python code runs either (param_of reads the
-    // _parameters dict; the casts unwrap tensors) and the GIL is held, so no other thread can replace or
-    // write the Parameters in between.
-    std::optional<StreamedLayer::Refreshed> refreshed;
-    if (layer->lossless_takes_weight() || is_packed_weight(weight_obj)) refreshed = sync_packed_weight(module, *layer);
-    const at::Tensor weight = weight_obj.cast<at::Tensor>();
-    const at::Tensor bias = tensor_or_undefined(param_of(module, "bias"));
-    return py::cast(layer->forward(x.cast<at::Tensor>(), weight, bias, refreshed));
+    return call_path(module, mgr, mgr.cast<LayerManager&>(), args[0], state, conv);
   });
 }
 

@@ -23,10 +23,19 @@ void move_params_to_cpu(const py::object& module);
 // weight object's codes and scale become views of the arena block.
 void pack_quantized(const py::object& module, LayerManager& core);
 
-// The callable installed as the layer's forward (or as its ARA LoRA's org_forward). It holds the
-// StreamedLayer and the state, and weak references to the layer and to its manager object (no cycle).
+// Linear and Conv2d at attach: a plain weight is packed (the streamed path, or cpu on a CPU state), a quantized
+// one the engine streams as stored is packed as codes and scale (quantized), anything else takes the generic
+// path. Sets core.layer and core.path. Also when a weight changed kind after attach (the forward calls it again).
+void attach_weighted(const py::object& module, LayerManager& core, const std::shared_ptr<DeviceState>& state,
+                     bool conv);
+
+// Marks the layer's own parameters `_is_memory_managed`, as upstream does.
+void mark_params_managed(const py::object& module);
+
+// The callable installed as the layer's forward (or as its ARA LoRA's org_forward). It holds the state and weak
+// references to the layer and to its manager object (no cycle); the manager object holds the StreamedLayer
+// and the path, which a weight that changed kind changes.
 py::cpp_function make_forward(const py::object& module, const py::object& manager_obj,
-                              c10::intrusive_ptr<StreamedLayer> layer, std::shared_ptr<DeviceState> state,
-                              ForwardPath path, bool conv);
+                              std::shared_ptr<DeviceState> state, bool conv);
 
 }  // namespace layerstream::torchglue

@@ -18,6 +18,13 @@ bool is_plain(const py::handle& obj) {
   return t.layout() == at::kStrided && !t.is_quantized() && (t.is_cpu() || t.is_cuda());
 }
 
+bool has_plain_type(const py::handle& obj) {
+  static const py::object* parameter_type = new py::object(torch_module().attr("nn").attr("Parameter"));
+  static const py::object* tensor_type = new py::object(torch_module().attr("Tensor"));
+  const py::handle type = py::type::of(obj);
+  return type.is(*parameter_type) || type.is(*tensor_type) || is_packed_weight(obj);
+}
+
 namespace {
 
 std::vector<std::int64_t> pair_of(const py::object& v) {

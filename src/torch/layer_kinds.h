@@ -21,6 +21,10 @@ namespace py = pybind11;
 // PackedWeight (its exact values, decoded).
 bool is_plain(const py::handle& obj);
 
+// is_plain's type test alone (a Parameter or Tensor, not a subclass, or a PackedWeight), cheap enough for every
+// call: a weight that fails it changed kind since a plain one was packed.
+bool has_plain_type(const py::handle& obj);
+
 // Conv layers whose padding is a string or whose padding_mode is not "zeros" take the generic path
 // (their own _conv_forward handles those).
 bool conv_is_plain(const py::object& module);

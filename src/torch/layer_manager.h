@@ -2,7 +2,9 @@
 // calls take. Python attributes (module, manager, _original_forward) live in its __dict__, which the
 // garbage collector can traverse; the C++ members below are what the installed forward reads.
 //
-// The path is chosen once, at attach (module.cc), from the layer and its weight (layer_kinds.h):
+// The path is chosen at attach (forward_paths.cc, attach_weighted) from the layer and its weight
+// (layer_kinds.h), and chosen again at the first call after the weight changed kind (a plain weight quantized
+// after attach, as AI-Toolkit quantizes its text encoders; a quantized one given a plain weight back):
 //   kStreamed   a plain dense weight, packed into the arena and fetched through the engine per call;
 //   kCpu        the same on a CPU device state (nothing to move);
 //   kQuantized  a library-quantized weight streamed as stored (codes and scale), dequantized on the device;

@@ -68,65 +68,6 @@ void attach_ostris(const py::object& module, LayerManager& core, const std::shar
   ostris_pack(module, core);
 }
 
-void refuse_meta_weights(const py::object& module, const py::object& weight, const py::object& bias) {
-  for (const py::object& t : {weight, bias}) {
-    if (!t.is_none() && py::hasattr(t, "is_meta") && t.attr("is_meta").cast<bool>()) {
-      const std::string name = py::str(module.attr("__class__").attr("__name__")).cast<std::string>() + "(" +
-                               py::str(module.attr("extra_repr")()).cast<std::string>() + ")";
-      throw py::value_error(
-          "cannot manage " + name + ": its weights are on the meta device (shapes without data); load real weights into the model "
-          "(load_state_dict(..., assign=True), or to_empty() then load) before MemoryManager.attach");
-    }
-  }
-}
-
-// Linear and Conv2d: a plain weight is packed (streamed, or cpu on a CPU state), a quantized one the
-// engine streams as stored is packed as codes and scale, anything else takes the generic path.
-void attach_weighted(const py::object& module, LayerManager& core, const std::shared_ptr<DeviceState>& state,
-                     bool conv) {
-  py::object weight = py::dict(module.attr("_parameters")).attr("get")("weight");
-  py::object bias = py::getattr(module, "bias", py::none());
-  refuse_meta_weights(module, weight, bias);
-  // Zero-size layers have nothing to stream: they take the generic path (moved per call, for free).
-  const bool empty = !weight.is_none() && weight.attr("numel")().cast<std::int64_t>() == 0;
-  const bool plain = !weight.is_none() && !empty && is_plain(weight) && is_plain(bias) &&
-                     (!conv || conv_is_plain(module));
-  if (plain) {
-    core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,
-                                                    conv ? conv_params_of(module) : ConvParams{});
-    if (is_packed_weight(weight)) {
-      // A PackedWeight (of a layer managed before): plain again, packed below as this layer's. One that
-      // another live layer holds (tied weights) cannot be swapped; it stays as it is.
-      try {
-        packed_weight_module().attr("unwrap")(weight);
-      } catch (const py::error_already_set&) {
-      }
-    }
-    // A Parameter another managed layer already packed (tied weights): that layer's block keeps it.
-    const bool tied = py::hasattr(weight, "_is_memory_managed");
-    const at::Tensor values =
-        is_packed_weight(weight) ? weight.attr("_ls_packed").attr("values")().cast<at::Tensor>() : at::Tensor();
-    core.layer->pack(weight.cast<at::Tensor>(), tensor_or_undefined(bias), tied, values);
-    if (core.layer->lossless_takes_weight()) sync_packed_weight(module, *core.layer);
-    core.path = state->mode() == Mode::kCpu ? ForwardPath::kCpu : ForwardPath::kStreamed;
-  } else if (!empty && (!conv || conv_is_plain(module)) && is_plain(bias) && streams_quantized(weight)) {
-    core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,
-                                                    conv ? conv_params_of(module) : ConvParams{});
-    pack_quantized(module, core);
-    core.path = ForwardPath::kQuantized;
-  } else {
-    if (!empty && !is_plain(weight)) {
-      const std::string kind = describe_weight(weight);
-      log_once("generic-weight-" + kind, LogLevel::kInfo,
-               "weights of type " + kind + " take the generic path (moved as stored and dequantized by their "
-               "library at every call, no prefetch): not a layout layerstream streams natively (docs/ai-toolkit.md, "
-               "Quantized weights)");
-    }
-    move_params_to_cpu(module);
-    core.path = ForwardPath::kGeneric;
-  }
-}
-
 void attach(const py::object& module, const py::object& manager, Which which) {
   if (py::hasattr(module, "_layer_memory_manager")) return;  // second attach: a no-op, as upstream
   py::object device = torch_module().attr("device")(manager.attr("process_device"));
@@ -146,12 +87,9 @@ void attach(const py::object& module, const py::object& manager, Which which) {
   }
 
   module.attr("_layer_memory_manager") = manager_obj;
-  for (auto p : module.attr("parameters")(py::arg("recurse") = false)) {
-    py::setattr(p, "_is_memory_managed", py::bool_(true));
-  }
+  mark_params_managed(module);
   module.attr("_memory_management_device") = manager.attr("process_device");
-  py::cpp_function forward =
-      make_forward(module, manager_obj, core.layer, state, core.path, which == Which::kConv);
+  py::cpp_function forward = make_forward(module, manager_obj, state, which == Which::kConv);
   if (ara.is_none()) {
     module.attr("forward") = forward;
   } else {

@@ -5,6 +5,7 @@ gradients are bitwise those of the library's own dequantize() followed by the sa
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -260,6 +261,73 @@ def test_a_replaced_quantized_weight_is_packed_again(engine, device):
         assert torch.equal(layer(x), _reference(layer, x, False))
         assert not torch.equal(layer(x), first)
         assert layer._layer_memory_manager.stored_as == "Float8_e4m3fn"
+
+
+def test_a_layer_quantized_after_attach_takes_the_quantized_path(engine, device, caplog):
+    """AI-Toolkit quantizes a text encoder after attaching it (qwen_image.py, z_image.py, flux2: attach, .to(),
+    then quantize(te, weights=get_qtype(qtype_te)), torchao float8 with layer offloading): torchao's quantize_
+    gives each managed Linear a new, quantized Parameter made from the packed host weight. The layer is attached
+    again on the quantized path (said once at INFO, not per layer), its codes and scale at their stored size,
+    bitwise the library's dequantize() then the layer's math; the plain block it had is freed."""
+    quant = pytest.importorskip("torchao.quantization", reason="torchao is not installed")
+    torch.manual_seed(21)
+    layers = [torch.nn.Linear(64, 40 + 8 * i).to(torch.bfloat16).requires_grad_(False) for i in range(3)]
+    before = mm.stats()["host_bytes_requested"]
+    for layer in layers:
+        mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    x = torch.randn(3, 64, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        plain = [layer(x) for layer in layers]
+    assert {layer._layer_memory_manager.path for layer in layers} == {"cpu" if engine == "cpu" else "streamed"}
+    mm._testing.reset_log_once()
+    with caplog.at_level(logging.INFO, logger="layerstream"):
+        for layer in layers:
+            quant.quantize_(layer, quant.Float8WeightOnlyConfig())
+            assert not isinstance(layer.weight.data, torch.nn.Parameter) and type(layer.weight) is not torch.Tensor
+        with torch.no_grad():
+            expected = [_reference(layer, x, False) for layer in layers]
+            got = [layer(x) for layer in layers]
+    for g, e, p in zip(got, expected, plain):
+        assert torch.equal(g, e) and not torch.equal(g, p)
+    lines = [r.getMessage() for r in caplog.records if "changed kind after attach" in r.getMessage()]
+    path = "cpu" if engine == "cpu" else "streamed"
+    assert len(lines) == 1 and lines[0].endswith(f"leave the {path} path for the quantized path"), lines
+    stored = []
+    for layer in layers:
+        lmm = layer._layer_memory_manager
+        assert (lmm.path, lmm.stored_as) == ("quantized", "Float8_e4m3fn")
+        codes, scale = torchao_codes_and_scale(layer.weight)
+        stored.append(_align(_align(codes.numel()) + sum(_stored_bytes(scale))) + layer.bias.numel() * 2)
+        assert lmm.packed_bytes == stored[-1]
+    assert layer.weight._is_memory_managed
+    gc.collect()
+    assert mm.stats()["host_bytes_requested"] - before == sum(stored)
+
+
+def test_a_quantized_layer_given_a_plain_weight_streams_it(engine, device):
+    """The other way (a merge that dequantizes, a weight loaded again): the layer goes back to the plain path."""
+    layer = _quanto_layer("qint8", torch.bfloat16, seed=8).to(device)
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    assert layer._layer_memory_manager.path == "quantized"
+    x = torch.randn(2, 64, dtype=torch.bfloat16, device=device)
+    layer.weight = torch.nn.Parameter(layer.weight.dequantize().cpu() * 2, requires_grad=False)
+    expected = F.linear(x, layer.weight.to(device), layer.bias.to(device))
+    with torch.no_grad():
+        assert torch.equal(layer(x), expected)
+    assert layer._layer_memory_manager.path == ("cpu" if engine == "cpu" else "streamed")
+    assert layer._layer_memory_manager.stored_as == "BFloat16"
+
+
+def test_a_weight_of_a_kind_not_streamed_after_attach_takes_the_generic_path(engine, device):
+    layer = torch.nn.Linear(64, 40).to(torch.bfloat16).requires_grad_(False)
+    mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    x = torch.randn(3, 64, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        layer(x)
+    layer.weight = _affine_float8_linear((1, 32), seed=9).weight  # block-wise scales: not on the fused path
+    with torch.no_grad():
+        assert torch.equal(layer(x), _reference(layer, x, False))
+    assert layer._layer_memory_manager.path == "generic"
 
 
 def test_quantized_layers_leave_no_host_memory_behind(engine, device):

@@ -209,3 +209,57 @@ def test_tied_embedding_moved_by_its_module_between_calls(engine, device, driver
         del mm._DEVICE_STATE[key]
     gc.collect()
     assert mm.stats()["host_bytes_requested"] == before
+
+
+def _quantize_float8(driver, model):
+    """What the model loaders do after attaching the text encoder when it is quantized (quantize_te) with layer
+    offloading on: AI-Toolkit's own quantize(te, weights=get_qtype("float8")) where a checkout is given, else
+    the torchao call it makes for that qtype."""
+    if isinstance(driver, _RealManager):
+        from layerstream.aitk import import_toolkit
+
+        try:
+            q = import_toolkit(driver.name, "toolkit.util.quantize")[0]
+        except ImportError as exc:  # 323b4aaf imports UIntXWeightOnlyConfig, which torchao 0.18 no longer has
+            pytest.skip(f"{driver.name}: its toolkit/util/quantize.py does not import here: {exc}")
+        q.quantize(model, weights=q.get_qtype("float8"))
+    else:
+        quant = pytest.importorskip("torchao.quantization", reason="torchao is not installed")
+        quant.quantize_(model, quant.Float8WeightOnlyConfig())
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize("encoder", ["qwen2.5-vl-image", "mistral3", "umt5"])
+def test_text_encoder_quantized_after_attach_streams_float8_bitwise(engine, device, encoder, driver):
+    """Qwen-Image, FLUX.2 and Wan attach their text encoder, move it, then quantize it (torchao float8 when layer
+    offloading is on): every managed Linear gets a new, quantized weight after attach. They leave the plain path
+    for the quantized one (codes and scale streamed as stored) and compute bitwise what the unmanaged encoder,
+    quantized the same way, computes with torchao's own forward."""
+    pytest.importorskip("torchao.quantization", reason="torchao is not installed")
+    build, call = ENCODERS[encoder]
+    torch.manual_seed(0)
+    base = build().to(torch.bfloat16).eval().requires_grad_(False)
+    manager = _driver(driver)
+    reference = copy.deepcopy(base)
+    _quantize_float8(manager, reference)
+    with torch.no_grad():
+        expected = call(reference.to(device), device)
+    del reference
+    model = copy.deepcopy(base)
+    manager.attach(model, device)
+    manager.to_device(model, device)
+    _quantize_float8(manager, model)
+    ran = set()
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_pre_hook(lambda mod, args, name=name: ran.add(name))
+    for _ in range(2):
+        with torch.no_grad():
+            got = call(model, device)
+        for i, (a, b) in enumerate(zip(expected, got)):
+            assert torch.equal(a, b), f"{encoder}: output {i} differs from the unmanaged quantized model's"
+    # Each layer changes path at its first call after the quantization (the vision tower of a text-only call
+    # keeps its path until it runs).
+    assert ran
+    paths = {name: m._layer_memory_manager.path for name, m in model.named_modules() if name in ran}
+    assert set(paths.values()) == {"quantized"}, paths
