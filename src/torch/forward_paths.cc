@@ -118,6 +118,38 @@ void attach_again(const py::object& module, LayerManager& core, const std::share
                type + " leave the " + was + " path for the " + now + " path");
 }
 
+// The name of a module of the model manager.py attached (the root its MemoryManager holds) that shares this
+// layer's weight Parameter and is not managed; None when there is none. Z-Image's text encoder (Qwen3 with tied
+// embeddings): `lm_head`, a managed Linear, shares `embed_tokens.weight`, and manager.py moves the embedding
+// whole, the shared Parameter with it.
+py::object unmanaged_holder(const py::object& module, const py::object& mgr, const py::object& weight) {
+  const py::object manager = py::getattr(mgr, "manager", py::none());
+  const py::object root = manager.is_none() ? py::object(py::none()) : py::getattr(manager, "module", py::none());
+  if (root.is_none() || !py::hasattr(root, "named_modules")) return py::none();
+  for (auto item : root.attr("named_modules")()) {
+    const py::tuple pair = py::reinterpret_borrow<py::tuple>(item);
+    const py::object other = pair[1];
+    if (other.is(module) || py::hasattr(other, "_layer_memory_manager") || !py::hasattr(other, "_parameters")) continue;
+    for (auto p : py::dict(other.attr("_parameters"))) {
+      if (p.second.is(weight)) return pair[0];
+    }
+  }
+  return py::none();
+}
+
+// A layer whose weight another, unmanaged module moved (its storage swapped since the packing): the layer leaves
+// the weight where that module puts it and computes with it there, as the unmanaged model does (the generic
+// path). Packing it again would put it back on the host under the other module, which the next move undoes.
+void leave_to_holder(const py::object& module, LayerManager& core, const std::string& holder) {
+  core.layer.reset();  // the block it packed goes with it: the Parameter no longer views it
+  core.path = ForwardPath::kGeneric;
+  log_once("tied-unmanaged", LogLevel::kInfo,
+           "a managed layer's weight is also the weight of " + holder + " (" +
+               py::str(py::type::of(module)).cast<std::string>() +
+               "'s weight), a module manager.py moves whole: such layers compute with the shared weight where that "
+               "module puts it (the generic path: not streamed, no host copy of their own)");
+}
+
 // One call of a managed layer on its path; a layer whose weight changed kind is attached again first.
 py::object call_path(const py::object& module, const py::object& mgr, LayerManager& core, const py::object& x,
                      const std::shared_ptr<DeviceState>& state, bool conv) {
@@ -134,8 +166,16 @@ py::object call_path(const py::object& module, const py::object& mgr, LayerManag
       case ForwardPath::kCpu:
       case ForwardPath::kUnset: {
         const py::object weight_obj = param_of(module, "weight");
-        if (has_plain_type(weight_obj)) return streamed_forward(module, *core.layer, weight_obj, x);
-        break;
+        if (!has_plain_type(weight_obj)) break;
+        if (!is_packed_weight(weight_obj) &&
+            !core.layer->is_current(weight_obj.cast<at::Tensor>(), tensor_or_undefined(param_of(module, "bias")))) {
+          const py::object holder = unmanaged_holder(module, mgr, weight_obj);
+          if (!holder.is_none()) {
+            leave_to_holder(module, core, holder.cast<std::string>());
+            continue;
+          }
+        }
+        return streamed_forward(module, *core.layer, weight_obj, x);
       }
     }
     LS_CHECK(attempt == 0, "layerstream: a layer attached again for its weight's kind still finds it of another kind");

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 import random
 
 import pytest
@@ -175,12 +176,13 @@ def test_text_encoder_bitwise_on_every_call_then_freed(engine, device, encoder, 
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
-def test_tied_embedding_moved_by_its_module_between_calls(engine, device, driver):
+def test_tied_embedding_moved_by_its_module_stays_where_it_puts_it(engine, device, driver, caplog):
     """Z-Image's encoder on a GPU: `embed_tokens` (moved whole by manager.py) and the managed `lm_head` share one
-    Parameter, so every `.to(device)` gives the Parameter new storage, and the next call of `lm_head` packs it
-    again. Emulated here on every engine by giving the Parameter a copy of its values before each call, as the
-    move does: the outputs stay bitwise the unmanaged model's, a pack again frees the block it replaces (the
-    host bytes do not grow from call to call), and the freed encoder returns every byte."""
+    Parameter, so `.to(device)` gives the Parameter new storage on the device. Emulated here on every engine by
+    giving it a copy of its values. At its next call `lm_head` finds its weight held by that unmanaged module:
+    it leaves the weight there and computes with it (the generic path, one INFO line), instead of packing it
+    again and putting it back on the host under the embedding. Outputs stay bitwise the unmanaged model's, the
+    block it had packed is freed, and the freed encoder returns every byte."""
     build, call = ENCODERS["qwen3-tied"]
     torch.manual_seed(0)
     base = build().to(torch.bfloat16).eval().requires_grad_(False)
@@ -194,14 +196,25 @@ def test_tied_embedding_moved_by_its_module_between_calls(engine, device, driver
     manager.to_device(model, device)
     tied = model.model.embed_tokens.weight
     assert tied is model.lm_head.weight and hasattr(model.lm_head, "_layer_memory_manager")
-    held = []
-    for _ in range(4):
-        tied.data = tied.data.clone()  # the storage a move gives it
-        with torch.no_grad():
-            got = call(model, device)
-        assert all(torch.equal(a, b) for a, b in zip(expected, got))
-        held.append(mm.stats()["host_bytes_requested"])
-    assert held[1:] == held[:-1], f"host bytes grew from call to call: {held}"
+    packed = model.lm_head._layer_memory_manager.packed_bytes
+    assert packed > 0
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(expected, call(model, device)))
+    held = mm.stats()["host_bytes_requested"]
+    tied.data = tied.data.clone()  # the storage a move gives it
+    moved = tied.data_ptr()
+    mm._testing.reset_log_once()
+    with caplog.at_level(logging.INFO, logger="layerstream"):
+        for _ in range(3):
+            with torch.no_grad():
+                got = call(model, device)
+            assert all(torch.equal(a, b) for a, b in zip(expected, got))
+            assert tied.data_ptr() == moved, "the shared weight was put back on the host under the embedding"
+    assert model.lm_head._layer_memory_manager.path == "generic"
+    lines = [r.getMessage() for r in caplog.records if "also the weight of" in r.getMessage()]
+    assert len(lines) == 1 and "model.embed_tokens" in lines[0], lines
+    gc.collect()
+    assert mm.stats()["host_bytes_requested"] == held - packed
     if not manager.free(model):
         return
     del model, got, tied
