@@ -167,15 +167,23 @@ py::object call_path(const py::object& module, const py::object& mgr, LayerManag
       case ForwardPath::kUnset: {
         const py::object weight_obj = param_of(module, "weight");
         if (!has_plain_type(weight_obj)) break;
-        if (!is_packed_weight(weight_obj) &&
-            !core.layer->is_current(weight_obj.cast<at::Tensor>(), tensor_or_undefined(param_of(module, "bias")))) {
+        if (is_packed_weight(weight_obj) ||
+            core.layer->is_current(weight_obj.cast<at::Tensor>(), tensor_or_undefined(param_of(module, "bias")))) {
+          return streamed_forward(module, *core.layer, weight_obj, x);
+        }
+        // Packed again below. Whether an unmanaged module holds the weight is asked when its storage moved since
+        // the last packing that found none (not at each in-place write of a trainable tied weight).
+        if (!weight_obj.is(core.unshared_weight) || weight_obj.cast<at::Tensor>().data_ptr() != core.unshared_data) {
           const py::object holder = unmanaged_holder(module, mgr, weight_obj);
           if (!holder.is_none()) {
             leave_to_holder(module, core, holder.cast<std::string>());
             continue;
           }
         }
-        return streamed_forward(module, *core.layer, weight_obj, x);
+        py::object out = streamed_forward(module, *core.layer, weight_obj, x);
+        core.unshared_weight = weight_obj;
+        core.unshared_data = weight_obj.cast<at::Tensor>().data_ptr();
+        return out;
       }
     }
     LS_CHECK(attempt == 0, "layerstream: a layer attached again for its weight's kind still finds it of another kind");
