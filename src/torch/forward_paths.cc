@@ -143,11 +143,11 @@ py::object unmanaged_holder(const py::object& module, const py::object& mgr, con
 void leave_to_holder(const py::object& module, LayerManager& core, const std::string& holder) {
   core.layer.reset();  // the block it packed goes with it: the Parameter no longer views it
   core.path = ForwardPath::kGeneric;
+  const std::string layer_type = py::str(py::type::of(module).attr("__name__")).cast<std::string>();
   log_once("tied-unmanaged", LogLevel::kInfo,
-           "a managed layer's weight is also the weight of " + holder + " (" +
-               py::str(py::type::of(module)).cast<std::string>() +
-               "'s weight), a module manager.py moves whole: such layers compute with the shared weight where that "
-               "module puts it (the generic path: not streamed, no host copy of their own)");
+           "a managed " + layer_type + "'s weight is also the weight of " + holder +
+               ", a module manager.py moves whole: such layers compute with the shared weight where that module "
+               "puts it (the generic path: not streamed, no host copy of their own)");
 }
 
 // One call of a managed layer on its path; a layer whose weight changed kind is attached again first.
