@@ -153,6 +153,18 @@ flux() {  # flux NAME [VAR=VALUE ...] FLUX_BENCH_ARGS...
     --md-out "$OUT/$name.md" --json-out "$OUT/$name.json"
   summarize_rows "$OUT/$name.md" "$name"
 }
+# The losses of two flux_bench runs (--json-out), all-resident and layerstream, into the summary, and whether they
+# are equal bit for bit.
+compare_losses() {  # compare_losses RESIDENT_JSON STREAMED_JSON
+  python3 - "$1" "$2" >>"$OUT/summary.txt" 2>&1 <<'PY'
+import json, sys
+rows = [json.load(open(p))["results"][0] for p in sys.argv[1:]]
+a, b = (r.get("losses") for r in rows)
+print("      losses resident   ", a)
+print("      losses layerstream", b)
+print("      losses bitwise equal:", a is not None and a == b)
+PY
+}
 # The package is built and installed from this tree; with LAYERSTREAM_REUSE_INSTALL=1 an installed one is
 # kept (for invocations side by side on one machine, after an `install` call).
 if want install || { { want py || want pycuda || want tests || want san || want quant || want quick || want race; } \
@@ -520,14 +532,7 @@ if want mem; then
     flux mem_flux1_det_resident --preset flux1 --aitk-flow --warmup 2 --steps 3 --mode resident --deterministic
     flux mem_flux1_det LAYERSTREAM_VRAM_BUDGET=auto --preset flux1 --aitk-flow --vram-cap-gb 24 --warmup 2 --steps 3 \
       --mode layerstream --deterministic
-    python3 - "$OUT/mem_flux1_det_resident.json" "$OUT/mem_flux1_det.json" >>"$OUT/summary.txt" 2>&1 <<'PY'
-import json, sys
-rows = [json.load(open(p))["results"][0] for p in sys.argv[1:]]
-a, b = (r.get("losses") for r in rows)
-print("      losses resident   ", a)
-print("      losses layerstream", b)
-print("      losses bitwise equal:", a == b)
-PY
+    compare_losses "$OUT/mem_flux1_det_resident.json" "$OUT/mem_flux1_det.json"
   fi
   if [[ $MRUNS == *,stockflow,* ]]; then
     step "AI-Toolkit's flow under a 24 GiB cap: stock at offload_percent 0.5 (its best under the cap, 2026-11-30)"
@@ -621,14 +626,7 @@ if want models && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
       flux "model_${item}_resident" --preset "$preset" --mode resident --deterministic --warmup "$MW" --steps "$MS"
       flux "model_${item}" LAYERSTREAM_VRAM_BUDGET=auto --preset "$preset" --mode layerstream --deterministic \
         --vram-cap-gb 24 --warmup "$MW" --steps "$MS"
-      python3 - "$OUT/model_${item}_resident.json" "$OUT/model_${item}.json" >>"$OUT/summary.txt" 2>&1 <<'PY'
-import json, sys
-rows = [json.load(open(p))["results"][0] for p in sys.argv[1:]]
-a, b = (r.get("losses") for r in rows)
-print("      losses resident   ", a)
-print("      losses layerstream", b)
-print("      losses bitwise equal:", a is not None and a == b)
-PY
+      compare_losses "$OUT/model_${item}_resident.json" "$OUT/model_${item}.json"
     else
       step "$preset ${Q[*]:-bf16} under 24 GiB: stock at 0.5 and 1.0 against layerstream auto"
       flux "model_${item}" LAYERSTREAM_VRAM_BUDGET=auto --preset "$preset" "${Q[@]}" --mode stock,layerstream \

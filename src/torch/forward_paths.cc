@@ -167,13 +167,10 @@ py::object call_path(const py::object& module, const py::object& mgr, LayerManag
       case ForwardPath::kUnset: {
         const py::object weight_obj = param_of(module, "weight");
         if (!has_plain_type(weight_obj)) break;
-        if (is_packed_weight(weight_obj) ||
-            core.layer->is_current(weight_obj.cast<at::Tensor>(), tensor_or_undefined(param_of(module, "bias")))) {
-          return streamed_forward(module, *core.layer, weight_obj, x);
-        }
-        // Packed again below. Whether an unmanaged module holds the weight is asked when its storage moved since
-        // the last packing that found none (not at each in-place write of a trainable tied weight).
-        if (!weight_obj.is(core.unshared_weight) || weight_obj.cast<at::Tensor>().data_ptr() != core.unshared_data) {
+        if (is_packed_weight(weight_obj)) return streamed_forward(module, *core.layer, weight_obj, x);
+        // Storage that moved since the last call is packed again by the forward, unless an unmanaged module
+        // holds the weight.
+        if (weight_obj.cast<at::Tensor>().data_ptr() != core.packed_data) {
           const py::object holder = unmanaged_holder(module, mgr, weight_obj);
           if (!holder.is_none()) {
             leave_to_holder(module, core, holder.cast<std::string>());
@@ -181,8 +178,7 @@ py::object call_path(const py::object& module, const py::object& mgr, LayerManag
           }
         }
         py::object out = streamed_forward(module, *core.layer, weight_obj, x);
-        core.unshared_weight = weight_obj;
-        core.unshared_data = weight_obj.cast<at::Tensor>().data_ptr();
+        if (!is_packed_weight(weight_obj)) core.packed_data = weight_obj.cast<at::Tensor>().data_ptr();
         return out;
       }
     }
@@ -261,6 +257,7 @@ void attach_weighted(const py::object& module, LayerManager& core, const std::sh
         is_packed_weight(weight) ? weight.attr("_ls_packed").attr("values")().cast<at::Tensor>() : at::Tensor();
     core.layer->pack(weight.cast<at::Tensor>(), tensor_or_undefined(bias), tied, values);
     if (core.layer->lossless_takes_weight()) sync_packed_weight(module, *core.layer);
+    if (!is_packed_weight(weight)) core.packed_data = weight.cast<at::Tensor>().data_ptr();
     core.path = state->mode() == Mode::kCpu ? ForwardPath::kCpu : ForwardPath::kStreamed;
   } else if (!empty && (!conv || conv_is_plain(module)) && is_plain(bias) && streams_quantized(weight)) {
     core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,

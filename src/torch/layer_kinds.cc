@@ -5,24 +5,19 @@
 
 namespace layerstream::torchglue {
 
-bool is_plain(const py::handle& obj) {
-  if (obj.is_none()) return true;
-  py::object type = py::type::of(obj);
-  const py::object parameter_type = torch_module().attr("nn").attr("Parameter");
-  const py::object tensor_type = torch_module().attr("Tensor");
-  if (is_packed_weight(obj)) return true;  // its exact values, decoded
-  if (!type.is(parameter_type) && !type.is(tensor_type)) {
-    return false;
-  }
-  const at::Tensor t = obj.cast<at::Tensor>();
-  return t.layout() == at::kStrided && !t.is_quantized() && (t.is_cpu() || t.is_cuda());
-}
-
 bool has_plain_type(const py::handle& obj) {
   static const py::object* parameter_type = new py::object(torch_module().attr("nn").attr("Parameter"));
   static const py::object* tensor_type = new py::object(torch_module().attr("Tensor"));
   const py::handle type = py::type::of(obj);
   return type.is(*parameter_type) || type.is(*tensor_type) || is_packed_weight(obj);
+}
+
+bool is_plain(const py::handle& obj) {
+  if (obj.is_none()) return true;
+  if (!has_plain_type(obj)) return false;
+  if (is_packed_weight(obj)) return true;  // its exact values, decoded
+  const at::Tensor t = obj.cast<at::Tensor>();
+  return t.layout() == at::kStrided && !t.is_quantized() && (t.is_cpu() || t.is_cuda());
 }
 
 namespace {

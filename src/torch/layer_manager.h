@@ -47,10 +47,10 @@ struct LayerManager {
   // `tensor_impl`), and the attribute names of its codes and scale (they differ between libraries).
   py::object quant_weight;
   std::string holder_attr, codes_attr, scale_attr;
-  // Streamed and cpu paths: the weight Parameter, and where its data lay, after the last packing again for which
-  // no unmanaged module of the model held that Parameter (forward_paths.cc, unmanaged_holder).
-  py::object unshared_weight;
-  const void* unshared_data = nullptr;
+  // Streamed and cpu paths: where the weight's data lay after the last call (or the packing at attach). A call
+  // that finds it elsewhere (swapped storage, a new Parameter) asks whether an unmanaged module of the model holds
+  // the weight before it is packed again (forward_paths.cc, unmanaged_holder); in-place writes do not move it.
+  const void* packed_data = nullptr;
   // OstrisLinear path: the names of the packed buffers, in block order (then the bias, when it has one).
   std::vector<std::string> buffer_names;
   bool ostris_bias = false;
