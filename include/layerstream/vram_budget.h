@@ -7,7 +7,6 @@
 // Thread-safety: none; the owner serializes calls (DeviceState holds its mutex).
 #pragma once
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -62,8 +61,8 @@ std::size_t steady_peak(std::size_t window_peak, std::size_t live_at_start, std:
 // tensors), so that what is kept is counted once, in the next cycle's start. A release of what the cycle
 // began with (resident layers given back) is no rise. The predicted peaks are the most risen over the
 // cycles that ended and the current one so far, on top of what the current cycle began with; the plan
-// leaves the headroom free at the step's peak and at the gap's, and a quarter and the headroom above the
-// cycle's start (BudgetHeadroom), so that the allocations of a gap seen before never find the device short. A window begun inside a step (a
+// leaves the headroom free at the step's peak and the gap's quarter and the headroom at the gap's
+// (BudgetHeadroom), so that the allocations of a gap seen before never find the device short. A window begun inside a step (a
 // plan again after a yield there) keeps that partial cycle's peaks, as they are, as the least it predicts.
 // Not thread-safe: its owner serializes the calls (the CUDA glue: one leaf lock per device).
 // A training cycle's events, as the torch glue sees them: a step's first forward (outside any backward), the
@@ -80,7 +79,6 @@ class CyclePeaks {
   std::size_t predicted() const;                     // the step's peak
   std::size_t predicted_gap() const;                 // the gap's peak; 0 before any gap was seen
   std::size_t held_since_start() const;  // how much more the current cycle began with than the window did
-  std::size_t cycle_start() const { return base_; }  // held when the current cycle began (its gap's floor)
 
  private:
   bool started_ = false;
@@ -159,27 +157,19 @@ class BudgetHeadroom {
   };
   // Room for the ring and resident layers on a device the process may use `limit` bytes of, whose step
   // peaked at `peak` with a ring of `ring` (the ring is counted again in the plan). Sets the threshold.
-  // `gap_peak` (0: not measured): the peak between steps (CyclePeaks), at which the plan leaves the headroom
-  // free as at the step's; `gap_start`: what the cycle began with (the gap's floor), above which it leaves
-  // a quarter of the limit and the headroom free. So a gap gets at least a quarter for its own allocations
-  // and the user's, or the most a gap was seen to take if that is more, and no allocation seen there before
-  // is taken for pressure (gap_threshold()). (Until 2026-12-02 the quarter was left free at the gap's peak,
-  // on top of it: FLUX.2-shaped under 24 GiB, whose optimizer step takes 10 GiB between steps, kept 4.3 GiB
-  // of layers resident instead of 8.1 and ran 7% slower.)
-  Room room_for(std::size_t limit, std::size_t peak, std::size_t ring, std::size_t gap_peak = 0,
-                std::size_t gap_start = 0);
+  // `gap_peak` (0: not measured): the peak between steps (CyclePeaks), at which the plan also leaves the
+  // gap's quarter and the headroom free, so that no allocation seen there before is taken for pressure
+  // (gap_threshold()).
+  Room room_for(std::size_t limit, std::size_t peak, std::size_t ring, std::size_t gap_peak = 0);
   // An allocation that found no cached block is pressure inside a step when less than half the headroom
-  // is free (the plan's own peak leaves all of it free), and between steps when less than half the headroom
-  // is free or the gap's own use so far (`gap_used`: bytes held above the cycle's start) and what is free
-  // add up to less than a quarter of the limit: the plan knows nothing of what is asked there (a sample, a
-  // text encoder, the user's own tensors) and the allocator does not say how much. Never before a plan
-  // (nothing to give back). `threshold`, `gap_threshold`: threshold() and gap_threshold() of the last plan
-  // (read without the owner's lock by the allocator's callback).
+  // is free (the plan's own peak leaves all of it free), and between steps when less than a quarter of the
+  // limit is free: the plan knows nothing of what is asked there (a sample, a text encoder, the user's own
+  // tensors) and the allocator does not say how much. Never before a plan (nothing to give back).
+  // `threshold`, `gap_threshold`: threshold() and gap_threshold() of the last plan (read without the
+  // owner's lock by the allocator's callback).
   static bool is_pressure(std::size_t threshold, std::size_t gap_threshold, bool between_steps,
-                          std::size_t free_bytes, std::size_t gap_used = 0) {
-    if (threshold == 0) return false;
-    if (free_bytes < threshold) return true;
-    return between_steps && free_bytes + std::min(gap_used, gap_threshold) < gap_threshold;
+                          std::size_t free_bytes) {
+    return threshold != 0 && free_bytes < (between_steps ? gap_threshold : threshold);
   }
   std::size_t gap_threshold() const { return gap_threshold_; }
   std::size_t threshold() const { return threshold_; }

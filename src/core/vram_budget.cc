@@ -156,7 +156,7 @@ std::vector<LayerId> BudgetRecorder::take_uses() {
 }
 
 BudgetHeadroom::Room BudgetHeadroom::room_for(std::size_t limit, std::size_t peak, std::size_t ring,
-                                              std::size_t gap_peak, std::size_t gap_start) {
+                                              std::size_t gap_peak) {
   Room r;
   r.headroom = limit / 1000 * permille_;
   threshold_ = r.headroom / 2;
@@ -167,11 +167,10 @@ BudgetHeadroom::Room BudgetHeadroom::room_for(std::size_t limit, std::size_t pea
     return limit > others + free_there ? limit - others - free_there : 0;
   };
   r.room = room_at(peak, r.headroom);
-  // Between steps: the headroom at the gap's peak (seen on the H200, 2026-12-01: FLUX.1's gap came 56 MiB
-  // above its measured peak), and the quarter above the cycle's start, which is_pressure keeps for the gap.
-  if (gap_peak > 0) {
-    r.room = std::min({r.room, room_at(gap_peak, r.headroom), room_at(gap_start, gap_threshold_ + r.headroom)});
-  }
+  // At the gap's peak the quarter and the headroom: an allocation there finds the quarter free even when
+  // the allocator's blocks hold more than the sizes asked (seen on the H200, 2026-12-01: FLUX.1's gap came
+  // 56 MiB above a plan that left the quarter alone, and everything resident was given back).
+  if (gap_peak > 0) r.room = std::min(r.room, room_at(gap_peak, gap_threshold_ + r.headroom));
   return r;
 }
 

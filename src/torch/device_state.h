@@ -75,7 +75,6 @@ struct DeviceMemoryView {
   bool cycles = false;  // measured by LAYERSTREAM_VRAM_PEAK=cycles (CyclePeaks, the default), not the window
   std::size_t held_since = 0;  // of `peak`: what the step made after its own peak and still holds (steady_peak)
   std::size_t gap_peak = 0;    // the peak between steps (cycles only; 0: not measured)
-  std::size_t gap_start = 0;   // what the current cycle began with, the gap's floor (cycles only)
 };
 
 // How a quantized or packed layer's weight was rebuilt for one use: into its ring region's scratch, found
@@ -176,8 +175,7 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // pressure: half the headroom the budget's last plan left (the plan expects the step's peak to leave all
   // of it free, so a miss at the planned peak is not pressure); 0 before a plan: nothing to give back.
   std::size_t pressure_threshold() const { return pressure_threshold_.load(); }
-  // Between steps (BudgetHeadroom::is_pressure): a quarter of what the process may use, for what the gap
-  // holds and what is free together.
+  // The same between steps (BudgetHeadroom::is_pressure): a quarter of what the process may use.
   std::size_t gap_pressure_threshold() const { return gap_pressure_threshold_.load(); }
   // Whether a training step is under way: from a layer's use in a forward with grad enabled to the end of
   // the backward pass that follows (note_backward_pass). Between steps (the optimizer, samples, a text

@@ -43,9 +43,8 @@ std::string describe_peak(const DeviceMemoryView& view) {
                                    "optimizer's state";
   return detail::concat(what, "; what the process held before is not counted",
                         view.held_since > 0 ? detail::concat("; ", view.held_since / kMiB, held) : std::string(),
-                        view.gap_peak > 0 ? detail::concat("; ", view.gap_peak / kMiB, " MiB between steps, where "
-                                                           "the headroom is left free, and a quarter and the "
-                                                           "headroom above the cycle's start")
+                        view.gap_peak > 0 ? detail::concat("; ", view.gap_peak / kMiB, " MiB between steps, where a "
+                                                           "quarter is left free beside the headroom")
                                           : std::string());
 }
 
@@ -187,7 +186,6 @@ DeviceMemoryView DeviceState::memory_view() {
       const CyclePeaks cycles = sim.cycle_peaks();
       view.peak = cycles.predicted();
       view.gap_peak = cycles.predicted_gap();
-      view.gap_start = cycles.cycle_start();
       view.held_since = cycles.held_since_start();
       view.cycles = true;
     }
@@ -285,7 +283,7 @@ std::optional<std::size_t> DeviceState::layer_bytes_locked(LayerId layer, bool i
 std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) {
   if (view.limit == 0) return "LAYERSTREAM_VRAM_BUDGET is set but nothing reports device memory here; ignored";
   const std::size_t ring = engine_->ring_capacity();
-  const BudgetHeadroom::Room room = headroom_.room_for(view.limit, view.peak, ring, view.gap_peak, view.gap_start);
+  const BudgetHeadroom::Room room = headroom_.room_for(view.limit, view.peak, ring, view.gap_peak);
   pressure_threshold_ = headroom_.threshold();
   gap_pressure_threshold_ = headroom_.gap_threshold();
   std::vector<LayerId> ids;
