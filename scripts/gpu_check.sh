@@ -131,6 +131,18 @@ run synccheck compute-sanitizer --tool synccheck --error-exitcode 1 \
   build/gpu/tests/cpp/layerstream_core_tests --gtest_filter='*/cuda:-*Oversized*'
 fi
 
+# PICKED=",a,b,": the runs a mode's LAYERSTREAM_*_RUNS names (commas or spaces between them), with a FAIL line
+# for a name the mode does not know, so that a misspelt list is not taken for one that picks nothing (2026-12-02:
+# "flow2 flow pressure", space-separated where commas were read, ran no run of `mem` and said nothing).
+pick_runs() {  # pick_runs LABEL SETTING KNOWN (space-separated)
+  local name
+  PICKED=",${2//[ ]/,},"
+  for name in ${2//,/ }; do
+    [[ " $3 " == *" $name "* ]] && continue
+    echo "   FAIL $1: unknown run '$name' (known: $3)" | tee -a "$OUT/summary.txt"
+    status=1
+  done
+}
 installed() { python3 -c 'import layerstream.manager_modules' 2>/dev/null; }
 # The package for the benchmark modes: built and installed unless it is already.
 ensure_installed() { installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .; }
@@ -405,7 +417,7 @@ if want quanto && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   ensure_installed
   # LAYERSTREAM_QUANTO_RUNS: flux1 (default; about 5 minutes), flux2cap (FLUX.2 under a 24 GiB cap, stock
   # and layerstream with the cap as its budget; a call of its own).
-  QRUNS=",${LAYERSTREAM_QUANTO_RUNS:-flux1},"
+  pick_runs quanto "${LAYERSTREAM_QUANTO_RUNS:-flux1}" "flux1 flux2cap"; QRUNS=$PICKED
   if [[ $QRUNS == *,flux1,* ]]; then
     step "FLUX.1-shaped, optimum-quanto qfloat8 weights: resident, stock, layerstream"
     flux quanto_flux1 --preset "${LAYERSTREAM_BENCH_PRESET:-flux1}" --mode resident,stock,layerstream \
@@ -425,7 +437,7 @@ if want perf2 && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   # all-resident reference, uncapped; cap = stock and layerstream (budget = the cap) under 24 GiB; fp8 = the
   # same layerstream run with float8 host storage.
   ensure_installed
-  RUNS=",${LAYERSTREAM_PERF2_RUNS:-resident,cap,fp8},"
+  pick_runs perf2 "${LAYERSTREAM_PERF2_RUNS:-resident,cap,fp8}" "resident cap fp8"; RUNS=$PICKED
   F2=(--preset flux2 --warmup 3 --steps 3)
   step "FLUX.2-shaped (32B): runs ${RUNS}"
   [[ $RUNS == *,resident,* ]] && flux perf2_resident "${F2[@]}" --mode resident
@@ -458,7 +470,7 @@ if want lossless && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   # LAYERSTREAM_DECODE_BLOCKS=132") go to every FLUX run; LAYERSTREAM_DECODE_SWEEP (e.g. "0,264,66") adds
   # --decode-blocks-sweep to the FLUX.2 run.
   ensure_installed
-  LRUNS=",${LAYERSTREAM_LOSSLESS_RUNS:-decode,flux1,flux2cap},"
+  LRUNS="${LAYERSTREAM_LOSSLESS_RUNS:-decode,flux1,flux2cap}"; LRUNS=",${LRUNS//[ ]/,},"  # flux1capN: any N
   if [[ $LRUNS == *,decode,* ]]; then
     step "the lossless decoder on FLUX.1 layer shapes, and beside a GEMM chain"
     run lossless_decode python3 benchmarks/dequant_bench.py --peak-gbs 4800 --contention \
@@ -501,7 +513,7 @@ if want mem; then
   # detflow (default: min, flow, flowres, stockflow, pressure);
   # about 2, 2.5, 1.5 and 1.5 minutes.
   ensure_installed
-  MRUNS=",${LAYERSTREAM_MEM_RUNS:-min,flow,flowres,stockflow,pressure},"
+  pick_runs mem "${LAYERSTREAM_MEM_RUNS:-min,flow,flowres,stockflow,pressure}" "flow flowres stockflow min flownp detflow pressure flowcyc flow2cyc pressurecyc flowcycll flow2cycll flow2np flow2"; MRUNS=$PICKED
   if [[ $MRUNS == *,min,* ]]; then
     step "FLUX.1 100% streamed: stock vs layerstream's default (min), peak VRAM side by side"
     flux mem_flux1_min --preset flux1 --mode stock,layerstream --warmup 2 --steps 3

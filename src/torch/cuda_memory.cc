@@ -108,18 +108,30 @@ void mark_cycle(DeviceState& state, CycleEvent event) {
 // process may hold in all. (Seen on the H200, 2026-12-01: counting the cache as used, the 31 GiB AI-Toolkit's
 // flow leaves cached before training (the model placed on the GPU before attach, a text encoder) looked like
 // no room at all under a 24 GiB cap, and resident layers were given back at every new bucket.)
-std::size_t free_for_allocation(c10::DeviceIndex index, std::size_t* limit) {
+// `whole`: the same without the free pieces of segments that still hold allocations (torch's inactive
+// splits). An allocation that found no cached block cannot use those pieces: its allocator can only ask the
+// driver, or release whole free segments and ask again. (Seen on the H200, 2026-12-02: Wan 2.2-shaped with
+// 41 frames under a 24 GiB cap, `auto`, ran out of memory inside a step asking 336 MiB while 2.12 GiB were
+// reserved but unallocated, all of them counted as free here, so nothing resident was given back.)
+std::size_t free_for_allocation(c10::DeviceIndex index, std::size_t* limit, std::size_t* whole) {
   std::size_t free_bytes = 0, total = 0;
   if (cudaMemGetInfo(&free_bytes, &total) != cudaSuccess) {
     (void)cudaGetLastError();
+    if (whole != nullptr) *whole = std::numeric_limits<std::size_t>::max();
     return std::numeric_limits<std::size_t>::max();  // unknown: no pressure is assumed
   }
   const auto stats = alloc::getDeviceStats(index);
   const auto reserved = static_cast<std::size_t>(stats.reserved_bytes[kAggregate].current);
   const auto in_use = std::min(reserved, static_cast<std::size_t>(stats.allocated_bytes[kAggregate].current));
+  const auto split = std::min(reserved - in_use,
+                              static_cast<std::size_t>(std::max<std::int64_t>(
+                                  stats.inactive_split_bytes[kAggregate].current, 0)));
   const double fraction = alloc::getMemoryFraction(index);
   const auto allowed = static_cast<std::size_t>(std::min(1.0, fraction) * static_cast<double>(total));
   if (limit != nullptr) *limit = std::min(free_bytes + reserved, allowed);
+  if (whole != nullptr) {
+    *whole = std::min(free_bytes + (reserved - in_use - split), allowed > in_use + split ? allowed - in_use - split : 0);
+  }
   return std::min(free_bytes + (reserved - in_use), allowed > in_use ? allowed - in_use : 0);
 }
 
@@ -147,7 +159,7 @@ DeviceMemoryView cuda_memory_view(DeviceState& state, const VramBudget& budget) 
     return view;
   }
   const c10::cuda::CUDAGuard guard(index);
-  (void)free_for_allocation(index, &view.limit);
+  (void)free_for_allocation(index, &view.limit, nullptr);
   return view;
 }
 
@@ -164,7 +176,7 @@ class YieldToPressure : public c10::FreeMemoryCallback {
   bool Execute() override {
     const c10::DeviceIndex index = c10::cuda::current_device();
     bool freed = false;
-    std::size_t room = std::numeric_limits<std::size_t>::max();
+    std::size_t room = std::numeric_limits<std::size_t>::max(), whole = room;
     bool measured = false;
     for (const auto& state : DeviceState::live()) {
       if (state->mode() != Mode::kCuda || state->device().index() != index) continue;
@@ -172,11 +184,15 @@ class YieldToPressure : public c10::FreeMemoryCallback {
       if (threshold == 0) continue;  // nothing resident by a plan
       const bool between_steps = !state->in_training_step();
       if (!measured) {
-        room = free_for_allocation(index, nullptr);
+        room = free_for_allocation(index, nullptr, &whole);
         measured = true;
       }
-      if (BudgetHeadroom::is_pressure(threshold, state->gap_pressure_threshold(), between_steps, room)) {
-        freed = state->yield_for_pressure(std::numeric_limits<std::size_t>::max(), between_steps, room) || freed;
+      // Inside a step the plan's own peak is known: a miss is pressure when what a miss can still get is
+      // short. Between steps the quarter is compared with all that is free, as the plan measured it (the
+      // flows of 2026-12-01 ran without a yield so).
+      const std::size_t free_now = between_steps ? room : whole;
+      if (BudgetHeadroom::is_pressure(threshold, state->gap_pressure_threshold(), between_steps, free_now)) {
+        freed = state->yield_for_pressure(std::numeric_limits<std::size_t>::max(), between_steps, free_now) || freed;
       }
     }
     return freed;
