@@ -38,7 +38,8 @@
 #          also detflow, flownp (the flow without the earlier peak: attached from the host, no encoder), flow2, flow2np,
 #          and flowcyc/flow2cyc/pressurecyc: FLUX.1/FLUX.2 flow with LAYERSTREAM_VRAM_PEAK=cycles,
 #          flowcycll/flow2cycll: the same with LAYERSTREAM_HOST_DTYPE=lossless; flow, flow2, pressure and detflow
-#          run the default measure: cycles since 40c26cb, window before)
+#          run the default measure: cycles since 40c26cb, window before; flow2start/flowstart/pressurestart: flow2,
+#          flow and pressure with LAYERSTREAM_VRAM_GAP=start)
 #   rings  FLUX.1-shaped bf16 100% streamed, layerstream alone, at several ring sizes, lookaheads and
 #          placements (LAYERSTREAM_PERF_RINGS="default default:lru 1024 1536x16:lru ...": MiB, x layers,
 #          :fifo or :lru for LAYERSTREAM_RING_POLICY)
@@ -513,7 +514,7 @@ if want mem; then
   # detflow (default: min, flow, flowres, stockflow, pressure);
   # about 2, 2.5, 1.5 and 1.5 minutes.
   ensure_installed
-  pick_runs mem "${LAYERSTREAM_MEM_RUNS:-min,flow,flowres,stockflow,pressure}" "flow flowres stockflow min flownp detflow pressure flowcyc flow2cyc pressurecyc flowcycll flow2cycll flow2np flow2"; MRUNS=$PICKED
+  pick_runs mem "${LAYERSTREAM_MEM_RUNS:-min,flow,flowres,stockflow,pressure}" "flow flowres stockflow min flownp detflow pressure flowcyc flow2cyc pressurecyc flowcycll flow2cycll flow2np flow2 flow2start flowstart pressurestart"; MRUNS=$PICKED
   if [[ $MRUNS == *,min,* ]]; then
     step "FLUX.1 100% streamed: stock vs layerstream's default (min), peak VRAM side by side"
     flux mem_flux1_min --preset flux1 --mode stock,layerstream --warmup 2 --steps 3
@@ -598,6 +599,25 @@ if want mem; then
     flux mem_flux2_flow LAYERSTREAM_VRAM_BUDGET=auto --preset flux2 --aitk-flow --vram-cap-gb 24 --warmup 2 --steps 4 \
       --mode layerstream
     grep -E "VRAM budget on" "$OUT/all.log" | tail -n 2 | sed 's/^/      /' >>"$OUT/summary.txt"
+  fi
+  # LAYERSTREAM_VRAM_GAP=start (experimental; the quarter kept between steps above the cycle's start, the headroom
+  # at the gap's peak): FLUX.2's and FLUX.1's flows and the user's 4 GiB, beside flow2, flow and pressure.
+  if [[ $MRUNS == *,flow2start,* ]]; then
+    step "AI-Toolkit's flow under a 24 GiB cap, FLUX.2-shaped: layerstream auto, LAYERSTREAM_VRAM_GAP=start"
+    flux mem_flux2_flow_start LAYERSTREAM_VRAM_BUDGET=auto LAYERSTREAM_VRAM_GAP=start --preset flux2 --aitk-flow \
+      --vram-cap-gb 24 --warmup 2 --steps 4 --mode layerstream
+    grep -E "found no room|VRAM budget on" "$OUT/all.log" | tail -n 2 | sed 's/^/      /' >>"$OUT/summary.txt"
+  fi
+  if [[ $MRUNS == *,flowstart,* ]]; then
+    step "AI-Toolkit's flow: layerstream auto under a 24 GiB cap, LAYERSTREAM_VRAM_GAP=start"
+    flux mem_flux1_flow_start LAYERSTREAM_VRAM_BUDGET=auto LAYERSTREAM_VRAM_GAP=start "${FLOW[@]}" --mode layerstream
+    grep -E "found no room|VRAM budget on" "$OUT/all.log" | tail -n 3 | sed 's/^/      /' >>"$OUT/summary.txt"
+  fi
+  if [[ $MRUNS == *,pressurestart,* ]]; then
+    step "AI-Toolkit's flow under a 24 GiB cap, layerstream auto, LAYERSTREAM_VRAM_GAP=start, the user takes 4 GiB"
+    flux mem_flux1_pressure_start LAYERSTREAM_VRAM_BUDGET=auto LAYERSTREAM_VRAM_GAP=start "${FLOW[@]}" \
+      --mode layerstream --user-alloc-gb 4
+    grep -E "found no room|VRAM budget on" "$OUT/all.log" | tail -n 6 | sed 's/^/      /' >>"$OUT/summary.txt"
   fi
 fi
 

@@ -7,6 +7,7 @@
 // Thread-safety: none; the owner serializes calls (DeviceState holds its mutex).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -61,8 +62,8 @@ std::size_t steady_peak(std::size_t window_peak, std::size_t live_at_start, std:
 // tensors), so that what is kept is counted once, in the next cycle's start. A release of what the cycle
 // began with (resident layers given back) is no rise. The predicted peaks are the most risen over the
 // cycles that ended and the current one so far, on top of what the current cycle began with; the plan
-// leaves the headroom free at the step's peak and the gap's quarter and the headroom at the gap's
-// (BudgetHeadroom), so that the allocations of a gap seen before never find the device short. A window begun inside a step (a
+// leaves the headroom free at the step's peak and the gap's quarter and the headroom at the gap's (or above
+// the cycle's start: BudgetHeadroom), so that the allocations of a gap seen before never find the device short. A window begun inside a step (a
 // plan again after a yield there) keeps that partial cycle's peaks, as they are, as the least it predicts.
 // Not thread-safe: its owner serializes the calls (the CUDA glue: one leaf lock per device).
 // A training cycle's events, as the torch glue sees them: a step's first forward (outside any backward), the
@@ -79,6 +80,7 @@ class CyclePeaks {
   std::size_t predicted() const;                     // the step's peak
   std::size_t predicted_gap() const;                 // the gap's peak; 0 before any gap was seen
   std::size_t held_since_start() const;  // how much more the current cycle began with than the window did
+  std::size_t cycle_start() const { return base_; }  // held when the current cycle began (its gap's floor)
 
  private:
   bool started_ = false;
@@ -157,19 +159,31 @@ class BudgetHeadroom {
   };
   // Room for the ring and resident layers on a device the process may use `limit` bytes of, whose step
   // peaked at `peak` with a ring of `ring` (the ring is counted again in the plan). Sets the threshold.
-  // `gap_peak` (0: not measured): the peak between steps (CyclePeaks), at which the plan also leaves the
-  // gap's quarter and the headroom free, so that no allocation seen there before is taken for pressure
-  // (gap_threshold()).
-  Room room_for(std::size_t limit, std::size_t peak, std::size_t ring, std::size_t gap_peak = 0);
+  // `gap_peak` (0: not measured): the peak between steps (CyclePeaks); `gap_start`: what the cycle began
+  // with (the gap's floor). By default the plan leaves a quarter of the limit and the headroom free at the
+  // gap's peak, on top of it, so that no allocation seen there before is taken for pressure
+  // (gap_threshold()). With set_quarter_above_start(true) (LAYERSTREAM_VRAM_GAP=start) it leaves the
+  // headroom free at the gap's peak and a quarter and the headroom above the cycle's start: a gap then gets
+  // a quarter for its own allocations and the user's together, or the most a gap was seen to take if that
+  // is more. (FLUX.2-shaped under 24 GiB, whose optimizer step takes 10 GiB between steps, kept 4.3 GiB of
+  // layers resident under the default and 8.1 GiB before it, 7% slower: benchmarks/log.md, thirteenth
+  // session.)
+  Room room_for(std::size_t limit, std::size_t peak, std::size_t ring, std::size_t gap_peak = 0,
+                std::size_t gap_start = 0);
   // An allocation that found no cached block is pressure inside a step when less than half the headroom
-  // is free (the plan's own peak leaves all of it free), and between steps when less than a quarter of the
-  // limit is free: the plan knows nothing of what is asked there (a sample, a text encoder, the user's own
-  // tensors) and the allocator does not say how much. Never before a plan (nothing to give back).
-  // `threshold`, `gap_threshold`: threshold() and gap_threshold() of the last plan (read without the
-  // owner's lock by the allocator's callback).
+  // is free (the plan's own peak leaves all of it free), and between steps when less than half the headroom
+  // is free or what is free and `gap_used` add up to less than a quarter of the limit: the plan knows
+  // nothing of what is asked there (a sample, a text encoder, the user's own tensors) and the allocator does
+  // not say how much. `gap_used`: what the gap holds so far above the cycle's start, not counting what the
+  // plan itself made resident in this cycle (LAYERSTREAM_VRAM_GAP=start; 0 by default, where the quarter is
+  // asked of what is free alone). Never before a plan (nothing to give back). `threshold`, `gap_threshold`:
+  // threshold() and gap_threshold() of the last plan (read without the owner's lock by the allocator's
+  // callback).
   static bool is_pressure(std::size_t threshold, std::size_t gap_threshold, bool between_steps,
-                          std::size_t free_bytes) {
-    return threshold != 0 && free_bytes < (between_steps ? gap_threshold : threshold);
+                          std::size_t free_bytes, std::size_t gap_used = 0) {
+    if (threshold == 0) return false;
+    if (free_bytes < threshold) return true;
+    return between_steps && free_bytes + std::min(gap_used, gap_threshold) < gap_threshold;
   }
   std::size_t gap_threshold() const { return gap_threshold_; }
   std::size_t threshold() const { return threshold_; }
@@ -183,11 +197,14 @@ class BudgetHeadroom {
   // plan measures; the headroom at the step's peak stays.
   void after_yield(bool between_steps, bool gap_measured = false);
   std::size_t permille() const { return permille_; }
+  void set_quarter_above_start(bool on) { quarter_above_start_ = on; }
+  bool quarter_above_start() const { return quarter_above_start_; }
 
  private:
   std::size_t permille_ = 50;  // 5% at first: allocator fragmentation, a longer prompt
   std::size_t threshold_ = 0;
   std::size_t gap_threshold_ = 0;
+  bool quarter_above_start_ = false;
 };
 
 }  // namespace layerstream

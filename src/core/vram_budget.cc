@@ -156,7 +156,7 @@ std::vector<LayerId> BudgetRecorder::take_uses() {
 }
 
 BudgetHeadroom::Room BudgetHeadroom::room_for(std::size_t limit, std::size_t peak, std::size_t ring,
-                                              std::size_t gap_peak) {
+                                              std::size_t gap_peak, std::size_t gap_start) {
   Room r;
   r.headroom = limit / 1000 * permille_;
   threshold_ = r.headroom / 2;
@@ -167,10 +167,15 @@ BudgetHeadroom::Room BudgetHeadroom::room_for(std::size_t limit, std::size_t pea
     return limit > others + free_there ? limit - others - free_there : 0;
   };
   r.room = room_at(peak, r.headroom);
-  // At the gap's peak the quarter and the headroom: an allocation there finds the quarter free even when
-  // the allocator's blocks hold more than the sizes asked (seen on the H200, 2026-12-01: FLUX.1's gap came
-  // 56 MiB above a plan that left the quarter alone, and everything resident was given back).
-  if (gap_peak > 0) r.room = std::min(r.room, room_at(gap_peak, gap_threshold_ + r.headroom));
+  // Between steps the quarter and the headroom at the gap's peak: an allocation there finds the quarter free
+  // even when the allocator's blocks hold more than the sizes asked (seen on the H200, 2026-12-01: FLUX.1's
+  // gap came 56 MiB above a plan that left the quarter alone, and everything resident was given back). Or
+  // the headroom there and the quarter above the cycle's start, which is_pressure then keeps for the gap.
+  if (gap_peak > 0 && quarter_above_start_) {
+    r.room = std::min({r.room, room_at(gap_peak, r.headroom), room_at(gap_start, gap_threshold_ + r.headroom)});
+  } else if (gap_peak > 0) {
+    r.room = std::min(r.room, room_at(gap_peak, gap_threshold_ + r.headroom));
+  }
   return r;
 }
 

@@ -149,6 +149,7 @@ DeviceMemoryView cuda_memory_view(DeviceState& state, const VramBudget& budget) 
       view.peak = w.cycles.predicted();
       view.held_since = w.cycles.held_since_start();
       view.gap_peak = w.cycles.predicted_gap();
+      view.gap_start = w.cycles.cycle_start();
       view.cycles = true;
     }
   } else {  // no window yet (a plan before any training forward cannot happen; kept for safety)
@@ -163,20 +164,33 @@ DeviceMemoryView cuda_memory_view(DeviceState& state, const VramBudget& budget) 
   return view;
 }
 
+// Bytes held on `index` above what the current training cycle began with (cycles only; else 0): between
+// steps, what the gap itself (the optimizer's step, a sample, the user's tensors) holds so far.
+std::size_t held_above_cycle_start(c10::DeviceIndex index) {
+  if (index < 0 || index >= kMostDevices) return 0;
+  PeakWindow& w = windows()[index];
+  if (!w.on.load() || !w.cycles_on.load()) return 0;
+  const auto live = static_cast<std::size_t>(std::max<std::int64_t>(w.live.load(), 0));
+  std::lock_guard<std::mutex> lock(w.mu);  // the leaf lock, under the allocator's as in on_trace
+  const std::size_t start = w.cycles.cycle_start();
+  return live > start ? live - start : 0;
+}
+
 // torch's allocator runs this when no cached block fits an allocation, before it asks the driver (and
 // before it frees its cache and tries again, then raises out of memory). It is not told the allocation's
 // size and runs at every such miss, also when the driver has room. Inside a training step the plan knows
 // the step's peak, so memory is given back only when the device is short of it (below half the headroom
 // the plan left). Between steps the plan knows nothing of what is asked (a sample, a text encoder, the
-// user's tensors), so resident layers are given back when less than a quarter of what the process may use
-// is free, and the next plan leaves that quarter free (vram_budget.h). What it frees goes to the
+// user's tensors), so resident layers are also given back when what the gap holds so far and what is free
+// add up to less than a quarter of what the process may use; the plan leaves that quarter free above the
+// cycle's start (vram_budget.h). What it frees goes to the
 // allocator's cache, which the allocator releases to the driver before its last try.
 class YieldToPressure : public c10::FreeMemoryCallback {
  public:
   bool Execute() override {
     const c10::DeviceIndex index = c10::cuda::current_device();
     bool freed = false;
-    std::size_t room = std::numeric_limits<std::size_t>::max(), whole = room;
+    std::size_t room = std::numeric_limits<std::size_t>::max(), whole = room, held = 0;
     bool measured = false;
     for (const auto& state : DeviceState::live()) {
       if (state->mode() != Mode::kCuda || state->device().index() != index) continue;
@@ -185,13 +199,16 @@ class YieldToPressure : public c10::FreeMemoryCallback {
       const bool between_steps = !state->in_training_step();
       if (!measured) {
         room = free_for_allocation(index, nullptr, &whole);
+        held = held_above_cycle_start(index);
         measured = true;
       }
       // Inside a step the plan's own peak is known: a miss is pressure when what a miss can still get is
       // short. Between steps the quarter is compared with all that is free, as the plan measured it (the
-      // flows of 2026-12-01 ran without a yield so).
+      // flows of 2026-12-01 ran without a yield so); with LAYERSTREAM_VRAM_GAP=start, with what is free and
+      // what the gap holds together, less the copies the plan itself made in this cycle.
       const std::size_t free_now = between_steps ? room : whole;
-      if (BudgetHeadroom::is_pressure(threshold, state->gap_pressure_threshold(), between_steps, free_now)) {
+      const std::size_t gap_used = state->quarter_above_start() ? state->held_by_gap(held) : 0;
+      if (BudgetHeadroom::is_pressure(threshold, state->gap_pressure_threshold(), between_steps, free_now, gap_used)) {
         freed = state->yield_for_pressure(std::numeric_limits<std::size_t>::max(), between_steps, free_now) || freed;
       }
     }

@@ -75,6 +75,7 @@ struct DeviceMemoryView {
   bool cycles = false;  // measured by LAYERSTREAM_VRAM_PEAK=cycles (CyclePeaks, the default), not the window
   std::size_t held_since = 0;  // of `peak`: what the step made after its own peak and still holds (steady_peak)
   std::size_t gap_peak = 0;    // the peak between steps (cycles only; 0: not measured)
+  std::size_t gap_start = 0;   // what the current cycle began with, the gap's floor (cycles only)
 };
 
 // How a quantized or packed layer's weight was rebuilt for one use: into its ring region's scratch, found
@@ -175,7 +176,8 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // pressure: half the headroom the budget's last plan left (the plan expects the step's peak to leave all
   // of it free, so a miss at the planned peak is not pressure); 0 before a plan: nothing to give back.
   std::size_t pressure_threshold() const { return pressure_threshold_.load(); }
-  // The same between steps (BudgetHeadroom::is_pressure): a quarter of what the process may use.
+  // Between steps (BudgetHeadroom::is_pressure): a quarter of what the process may use, for what the gap
+  // holds and what is free together.
   std::size_t gap_pressure_threshold() const { return gap_pressure_threshold_.load(); }
   // Whether a training step is under way: from a layer's use in a forward with grad enabled to the end of
   // the backward pass that follows (note_backward_pass). Between steps (the optimizer, samples, a text
@@ -186,6 +188,17 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // Whether the layer use being observed is a training step's first (LAYERSTREAM_VRAM_PEAK=cycles' window).
   bool step_began_at_this_use() const { return step_began_.load(); }
   VramPeak vram_peak() const { return vram_peak_; }
+  // LAYERSTREAM_VRAM_GAP=start: between steps the quarter is asked of what is free and what the gap holds
+  // together (BudgetHeadroom::is_pressure).
+  bool quarter_above_start() const { return quarter_above_start_; }
+  // Of `held`, the bytes held above the training cycle's start, what the gap holds: less the copies the
+  // budget's plan made in this cycle (its resident layers and the ring's growth), which the next cycle's
+  // start counts. (Without that, on the H200 2026-12-02, the plan's own copies passed for the gap's use and a
+  // user's allocation between steps with little free was not taken for pressure.)
+  std::size_t held_by_gap(std::size_t held) const {
+    const std::size_t own = plan_added_bytes_.load();
+    return held > own ? held - own : 0;
+  }
   // Called by a layer's backward: queues, once per backward pass (autograd graph task), the end of the step.
   void note_backward_pass();
 
@@ -264,6 +277,8 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   std::atomic<bool> in_step_{false};                 // in_training_step()
   std::atomic<bool> step_began_{false};              // step_began_at_this_use()
   VramPeak vram_peak_ = VramPeak::kCycles;           // LAYERSTREAM_VRAM_PEAK
+  bool quarter_above_start_ = false;                 // LAYERSTREAM_VRAM_GAP=start
+  std::atomic<std::size_t> plan_added_bytes_{0};     // held_by_gap(): made by this cycle's plan
   std::atomic<int> step_task_{-1};                   // the graph task whose end-of-step callback is queued
   std::unordered_set<const void*> planned_resident_;
   std::unordered_set<LayerId> fresh_each_use_;  // note_use(): layers never copied ahead of need

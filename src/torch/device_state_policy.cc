@@ -34,7 +34,7 @@ DeviceState::CycleMarker& cycle_marker() {
 }
 
 // What the plan's peak measured, for its INFO line: " MiB in ... (...": the caller closes the parenthesis.
-std::string describe_peak(const DeviceMemoryView& view) {
+std::string describe_peak(const DeviceMemoryView& view, bool quarter_above_start) {
   const char* what = view.cycles ? " MiB in a training cycle (the most a step rose above its cycle's start, on "
                                    "the current cycle's start; LAYERSTREAM_VRAM_PEAK=cycles"
                                  : " MiB in the training step (from its first forward";
@@ -43,8 +43,12 @@ std::string describe_peak(const DeviceMemoryView& view) {
                                    "optimizer's state";
   return detail::concat(what, "; what the process held before is not counted",
                         view.held_since > 0 ? detail::concat("; ", view.held_since / kMiB, held) : std::string(),
-                        view.gap_peak > 0 ? detail::concat("; ", view.gap_peak / kMiB, " MiB between steps, where a "
-                                                           "quarter is left free beside the headroom")
+                        view.gap_peak > 0 ? detail::concat("; ", view.gap_peak / kMiB, " MiB between steps, where ",
+                                                           quarter_above_start
+                                                               ? "the headroom is left free, and a quarter and "
+                                                                 "the headroom above the cycle's start "
+                                                                 "(LAYERSTREAM_VRAM_GAP=start)"
+                                                               : "a quarter is left free beside the headroom")
                                           : std::string());
 }
 
@@ -167,6 +171,7 @@ void DeviceState::start_peak_window_locked() {
 }
 
 void DeviceState::mark_cycle(CycleEvent event) {
+  if (event == CycleEvent::kStepStarted) plan_added_bytes_ = 0;  // the new cycle's start counts them
   if (mode_ != Mode::kSim) {
     if (cycle_marker()) cycle_marker()(*this, event);
     return;
@@ -186,6 +191,7 @@ DeviceMemoryView DeviceState::memory_view() {
       const CyclePeaks cycles = sim.cycle_peaks();
       view.peak = cycles.predicted();
       view.gap_peak = cycles.predicted_gap();
+      view.gap_start = cycles.cycle_start();
       view.held_since = cycles.held_since_start();
       view.cycles = true;
     }
@@ -283,7 +289,7 @@ std::optional<std::size_t> DeviceState::layer_bytes_locked(LayerId layer, bool i
 std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) {
   if (view.limit == 0) return "LAYERSTREAM_VRAM_BUDGET is set but nothing reports device memory here; ignored";
   const std::size_t ring = engine_->ring_capacity();
-  const BudgetHeadroom::Room room = headroom_.room_for(view.limit, view.peak, ring, view.gap_peak);
+  const BudgetHeadroom::Room room = headroom_.room_for(view.limit, view.peak, ring, view.gap_peak, view.gap_start);
   pressure_threshold_ = headroom_.threshold();
   gap_pressure_threshold_ = headroom_.gap_threshold();
   std::vector<LayerId> ids;
@@ -337,13 +343,14 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
       ++streamed;
     }
   }
+  plan_added_bytes_ = kept_bytes + (plan.ring_bytes > ring ? plan.ring_bytes - ring : 0);
   const std::string ring_note =
       rebuild ? detail::concat("; the device ring grows from ", ring / kMiB, " to ", plan.ring_bytes / kMiB,
                                " MiB at the next layer call (estimated copies per planned sequence ",
                                budget.stay_copied / kMiB, " -> ", plan.copied_bytes / kMiB, " MiB)")
               : std::string();
   return detail::concat("layerstream VRAM budget on ", describe(), ": ", view.limit / kMiB, " MiB",
-                        vram_budget_.automatic ? " (auto)" : "", ", peak ", view.peak / kMiB, describe_peak(view),
+                        vram_budget_.automatic ? " (auto)" : "", ", peak ", view.peak / kMiB, describe_peak(view, quarter_above_start_),
                         "), ", headroom_.permille() / 10, "% headroom: ", kept, " layers (", kept_bytes / kMiB,
                         " MiB) stay on the device, ", streamed, " stream", ring_note,
                         not_copied > 0 ? detail::concat(" (", not_copied, " of them planned to stay, but their "

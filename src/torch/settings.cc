@@ -95,6 +95,14 @@ void parse_vram_peak(Settings& s, const std::string& n, const std::string& t) {
   s.vram_peak = t == "cycles" ? VramPeak::kCycles : VramPeak::kWindow;
 }
 
+void parse_vram_gap(Settings& s, const std::string& n, const std::string& t) {
+  LS_CHECK_ARG(t == "peak" || t == "start", n, "=", t,
+               " is not understood; give peak (the default: the budget leaves a quarter of the device free on top "
+               "of the peak between steps) or start (a quarter above the training cycle's start, the headroom "
+               "at the peak between steps; not yet measured on a GPU)");
+  s.vram_gap = t == "start" ? VramGap::kQuarterAboveStart : VramGap::kQuarterAtPeak;
+}
+
 void parse_host_dtype(Settings& s, const std::string& n, const std::string& t) {
   if (t == "same") s.host_dtype = HostDtype::kSame;
   else if (t == "lossless") s.host_dtype = HostDtype::kLossless;
@@ -155,6 +163,7 @@ const std::vector<Entry>& entries() {
       {"LAYERSTREAM_VRAM_BUDGET",
        [](Settings& s, const std::string&, const std::string& t) { s.vram_budget = VramBudget::parse(t.c_str()); }},
       {"LAYERSTREAM_VRAM_PEAK", &parse_vram_peak},
+      {"LAYERSTREAM_VRAM_GAP", &parse_vram_gap},
       {"LAYERSTREAM_HOST_DTYPE", &parse_host_dtype},
       {"LAYERSTREAM_OSTRIS_DECODE",
        [](Settings& s, const std::string& n, const std::string& t) { s.ostris_decode = switch_value(n, t, "0"); }},

@@ -41,6 +41,7 @@ enum class CpuBackend { kCpu, kSim };  // LAYERSTREAM_BACKEND: how a CPU process
 enum class HostDtype { kSame, kLossless, kFloat8E4M3, kFloat8E5M2 };
 enum class ShareHost { kAuto, kOn, kOff };
 enum class VramPeak { kWindow, kCycles };  // LAYERSTREAM_VRAM_PEAK: how the budget measures a step's peak
+enum class VramGap { kQuarterAtPeak, kQuarterAboveStart };  // LAYERSTREAM_VRAM_GAP: where a gap's quarter is
 
 struct Settings {
   CpuBackend backend = CpuBackend::kCpu;           // LAYERSTREAM_BACKEND
@@ -51,6 +52,7 @@ struct Settings {
   std::size_t resident_bytes = 0;                  // LAYERSTREAM_RESIDENT_MB
   VramBudget vram_budget;                          // LAYERSTREAM_VRAM_BUDGET
   VramPeak vram_peak = VramPeak::kCycles;          // LAYERSTREAM_VRAM_PEAK
+  VramGap vram_gap = VramGap::kQuarterAtPeak;      // LAYERSTREAM_VRAM_GAP
   HostDtype host_dtype = HostDtype::kSame;         // LAYERSTREAM_HOST_DTYPE
   bool ostris_decode = true;                       // LAYERSTREAM_OSTRIS_DECODE
   ShareHost share_host = ShareHost::kAuto;         // LAYERSTREAM_SHARE_HOST

@@ -193,6 +193,7 @@ TEST(VramBudget, TheGapsQuarterIsLeftFreeAtTheGapsPeakBesideTheHeadroomAtTheStep
   EXPECT_EQ(h.room_for(limit, 12000 * kMiB, ring).room, 11800 * kMiB);
   // A gap peaking at 10000 leaves a quarter (6000) and the headroom free there: 24000 - 9000 - 7200 = 7800.
   EXPECT_EQ(h.room_for(limit, 12000 * kMiB, ring, 10000 * kMiB).room, 7800 * kMiB);
+  EXPECT_EQ(h.room_for(limit, 12000 * kMiB, ring, 10000 * kMiB, 4000 * kMiB).room, 7800 * kMiB);  // start unused
   // A gap peaking at 6000: the step's peak decides.
   EXPECT_EQ(h.room_for(limit, 12000 * kMiB, ring, 6000 * kMiB).room, 11800 * kMiB);
   EXPECT_EQ(h.gap_threshold(), 6000 * kMiB);
@@ -202,6 +203,52 @@ TEST(VramBudget, TheGapsQuarterIsLeftFreeAtTheGapsPeakBesideTheHeadroomAtTheStep
   EXPECT_EQ(h.threshold(), 0u);
   h.after_yield(/*between_steps=*/true, /*gap_measured=*/false);
   EXPECT_EQ(h.permille(), 250u);
+}
+
+TEST(VramBudget, WithTheQuarterAboveStartTheGapGetsTheHeadroomAtItsPeakAndAQuarterAboveTheCyclesStart) {
+  BudgetHeadroom h;
+  h.set_quarter_above_start(true);
+  const std::size_t limit = 24000 * kMiB, ring = 1000 * kMiB;
+  // Step peak 12000 (ring in it): 24000 - 11000 - 5% (1200) = 11800 for the ring and the residents.
+  EXPECT_EQ(h.room_for(limit, 12000 * kMiB, ring).room, 11800 * kMiB);
+  // A gap peaking at 14000 leaves the headroom there: 24000 - 13000 - 1200 = 9800.
+  EXPECT_EQ(h.room_for(limit, 12000 * kMiB, ring, 14000 * kMiB, 4000 * kMiB).room, 9800 * kMiB);
+  // A gap that rose 10000 above a cycle's start of 4000 takes more than a quarter: its peak decides, with
+  // no quarter on top of it (FLUX.2-shaped on the H200 kept 4.3 GiB resident that way, not 8.1).
+  EXPECT_EQ(h.room_for(limit, 12000 * kMiB, ring, 14000 * kMiB, 4000 * kMiB).room,
+            h.room_for(limit, 12000 * kMiB, ring, 14000 * kMiB, 0).room);
+  // A gap that rose 2000 above a start of 9000: the quarter (6000) and the headroom above the start decide:
+  // 24000 - 8000 - 7200 = 8800, under the 11800 its step and its peak would leave.
+  EXPECT_EQ(h.room_for(limit, 12000 * kMiB, ring, 11000 * kMiB, 9000 * kMiB).room, 8800 * kMiB);
+  // A gap peaking low above a low start: the step's peak decides.
+  EXPECT_EQ(h.room_for(limit, 12000 * kMiB, ring, 6000 * kMiB, 1000 * kMiB).room, 11800 * kMiB);
+  EXPECT_EQ(h.gap_threshold(), 6000 * kMiB);
+  // A yield between steps after a plan that measured the gaps keeps the headroom; without, a quarter.
+  h.after_yield(/*between_steps=*/true, /*gap_measured=*/true);
+  EXPECT_EQ(h.permille(), 50u);
+  EXPECT_EQ(h.threshold(), 0u);
+  h.after_yield(/*between_steps=*/true, /*gap_measured=*/false);
+  EXPECT_EQ(h.permille(), 250u);
+}
+
+TEST(VramBudget, WithTheQuarterAboveStartAGapWithinItsPlannedRoomIsNeverPressure) {
+  // The plan above: limit 24000, ring 1000, a gap rising 10000 above a start of 4000, a room of 9800 all
+  // used. Free memory at each level the gap reaches is what the plan left there; none of it is pressure,
+  // and 4 GiB asked at the gap's floor find room without a yield.
+  BudgetHeadroom h;
+  h.set_quarter_above_start(true);
+  const std::size_t limit = 24000 * kMiB, start = 4000 * kMiB, rise = 10000 * kMiB;
+  const BudgetHeadroom::Room r = h.room_for(limit, 12000 * kMiB, 1000 * kMiB, start + rise, start);
+  const std::size_t free_at_start = limit - (start - 1000 * kMiB) - r.room;  // the ring counted once
+  EXPECT_EQ(free_at_start, rise + r.headroom);
+  for (std::size_t used = 0; used <= rise; used += 500 * kMiB) {
+    EXPECT_FALSE(BudgetHeadroom::is_pressure(h.threshold(), h.gap_threshold(), true, free_at_start - used, used))
+        << used / kMiB;
+  }
+  EXPECT_GE(free_at_start, std::size_t{4096} * kMiB);
+  // Beyond the gap's measured peak: pressure once less than half the headroom is left.
+  EXPECT_FALSE(BudgetHeadroom::is_pressure(h.threshold(), h.gap_threshold(), true, h.threshold(), rise + 600 * kMiB));
+  EXPECT_TRUE(BudgetHeadroom::is_pressure(h.threshold(), h.gap_threshold(), true, h.threshold() - 1, rise + 700 * kMiB));
 }
 
 TEST(VramBudget, TheRoomIsTheLimitLessThePeakWithoutTheRingAndTheHeadroom) {
@@ -227,11 +274,16 @@ TEST(VramBudget, AMissIsPressureInsideAStepBelowHalfTheHeadroomAndBetweenStepsBe
   EXPECT_FALSE(BudgetHeadroom::is_pressure(t, g, false, r.headroom));
   EXPECT_FALSE(BudgetHeadroom::is_pressure(t, g, false, t));
   EXPECT_TRUE(BudgetHeadroom::is_pressure(t, g, false, t - 1));
-  // Between steps the allocator's callback cannot know what is asked: a 4 GiB tensor with 3.5 GiB free is
-  // pressure there, not inside a step.
+  // Between steps the allocator's callback cannot know what is asked: a 4 GiB tensor with 3.5 GiB free
+  // and nothing held by the gap is pressure there, not inside a step.
   EXPECT_TRUE(BudgetHeadroom::is_pressure(t, g, true, 3500 * kMiB));
   EXPECT_FALSE(BudgetHeadroom::is_pressure(t, g, false, 3500 * kMiB));
   EXPECT_FALSE(BudgetHeadroom::is_pressure(t, g, true, g));
+  // What the gap holds already counts toward its quarter: 3.5 GiB free beside 2.5 GiB held by the gap is not.
+  EXPECT_FALSE(BudgetHeadroom::is_pressure(t, g, true, 3500 * kMiB, 2500 * kMiB));
+  EXPECT_TRUE(BudgetHeadroom::is_pressure(t, g, true, 3500 * kMiB, 2499 * kMiB));
+  // Half the headroom is the least free between steps too, whatever the gap holds.
+  EXPECT_TRUE(BudgetHeadroom::is_pressure(t, g, true, t - 1, 20000 * kMiB));
 }
 
 TEST(VramBudget, AYieldInsideAStepDoublesTheHeadroomOneBetweenStepsLeavesTheGapItsQuarter) {
