@@ -602,23 +602,18 @@ if want mem; then
   fi
   # LAYERSTREAM_VRAM_GAP=start (experimental; the quarter kept between steps above the cycle's start, the headroom
   # at the gap's peak): FLUX.2's and FLUX.1's flows and the user's 4 GiB, beside flow2, flow and pressure.
-  if [[ $MRUNS == *,flow2start,* ]]; then
-    step "AI-Toolkit's flow under a 24 GiB cap, FLUX.2-shaped: layerstream auto, LAYERSTREAM_VRAM_GAP=start"
-    flux mem_flux2_flow_start LAYERSTREAM_VRAM_BUDGET=auto LAYERSTREAM_VRAM_GAP=start --preset flux2 --aitk-flow \
-      --vram-cap-gb 24 --warmup 2 --steps 4 --mode layerstream
-    grep -E "found no room|VRAM budget on" "$OUT/all.log" | tail -n 2 | sed 's/^/      /' >>"$OUT/summary.txt"
-  fi
-  if [[ $MRUNS == *,flowstart,* ]]; then
-    step "AI-Toolkit's flow: layerstream auto under a 24 GiB cap, LAYERSTREAM_VRAM_GAP=start"
-    flux mem_flux1_flow_start LAYERSTREAM_VRAM_BUDGET=auto LAYERSTREAM_VRAM_GAP=start "${FLOW[@]}" --mode layerstream
-    grep -E "found no room|VRAM budget on" "$OUT/all.log" | tail -n 3 | sed 's/^/      /' >>"$OUT/summary.txt"
-  fi
-  if [[ $MRUNS == *,pressurestart,* ]]; then
-    step "AI-Toolkit's flow under a 24 GiB cap, layerstream auto, LAYERSTREAM_VRAM_GAP=start, the user takes 4 GiB"
-    flux mem_flux1_pressure_start LAYERSTREAM_VRAM_BUDGET=auto LAYERSTREAM_VRAM_GAP=start "${FLOW[@]}" \
-      --mode layerstream --user-alloc-gb 4
-    grep -E "found no room|VRAM budget on" "$OUT/all.log" | tail -n 6 | sed 's/^/      /' >>"$OUT/summary.txt"
-  fi
+  for item in flow2start flowstart pressurestart; do
+    [[ $MRUNS == *,$item,* ]] || continue
+    case $item in
+      flow2start) what="FLUX.2-shaped"; args=(--preset flux2 --aitk-flow --vram-cap-gb 24 --warmup 2 --steps 4) ;;
+      flowstart) what="FLUX.1-shaped"; args=("${FLOW[@]}") ;;
+      pressurestart) what="FLUX.1-shaped, the user takes 4 GiB before step 4 for 2 steps"
+                     args=("${FLOW[@]}" --user-alloc-gb 4) ;;
+    esac
+    step "AI-Toolkit's flow under a 24 GiB cap, $what: layerstream auto, LAYERSTREAM_VRAM_GAP=start"
+    flux "mem_$item" LAYERSTREAM_VRAM_BUDGET=auto LAYERSTREAM_VRAM_GAP=start "${args[@]}" --mode layerstream
+    grep -E "found no room|VRAM budget on" "$OUT/all.log" | tail -n 4 | sed 's/^/      /' >>"$OUT/summary.txt"
+  done
 fi
 
 if want ostris; then

@@ -158,43 +158,21 @@ def test_an_allocation_inside_a_step_that_needs_resident_memory_doubles_the_plan
                for m in messages)
 
 
-def test_the_cycles_measure_leaves_a_quarter_free_at_the_gaps_peak_and_no_gap_yields(engine, device, monkeypatch,
-                                                                                    caplog):
-    """Each gap between two steps takes 3 MiB for a moment (the optimizer's temporaries, a sample) and gives it
-    back. LAYERSTREAM_VRAM_PEAK=cycles measures the gap apart from the step, plans once the window has seen
-    one, and leaves a quarter of the card and the headroom free at the gap's peak (the room an allocation
-    between steps is promised before resident layers give theirs back): one plan, no yield, and the losses
-    are the all-resident run's."""
+@pytest.mark.parametrize("rule, gap_mib, room_mib", [(None, 3, 5.4), (None, 5, 3.4), ("start", 3, 8.4),
+                                                     ("start", 5, 6.4)])
+def test_the_cycles_measure_leaves_the_gap_its_quarter_and_no_gap_yields(engine, device, monkeypatch, caplog, rule,
+                                                                         gap_mib, room_mib):
+    """Each gap between two steps takes a few MiB for a moment (the optimizer's temporaries, a sample) and
+    gives them back. LAYERSTREAM_VRAM_PEAK=cycles measures the gap apart from the step and plans once the
+    window has seen one. By default it leaves a quarter of the card and the headroom free at the gap's peak
+    (the room an allocation between steps is promised before resident layers give theirs back); with
+    LAYERSTREAM_VRAM_GAP=start the headroom there and a quarter and the headroom above the cycle's start.
+    Either way: one plan, no yield, and the losses are the all-resident run's. The 12 MiB card's cycles start
+    with the 2 MiB ring, and the ring and the resident layers get: by default 12 - 3.6 less what the gap
+    takes; with `start` 12 - 3.6 for a 3 MiB gap (a quarter), 12 - 5 - 0.6 for a 5 MiB one."""
     monkeypatch.setenv("LAYERSTREAM_VRAM_PEAK", "cycles")
-    base, ref, managed, state = _on_a_small_card(engine, device, monkeypatch, STEPS[:8])
-
-    def between(step):
-        mm._testing.sim_device_free(state, mm._testing.sim_device_alloc(state, 3 * MiB))
-
-    with caplog.at_level(logging.INFO, logger="layerstream"):
-        losses = _train(managed, apply_lora(managed), device, STEPS[:8], between)
-    assert losses == ref
-    stats = state.stats()
-    plans = [r.getMessage() for r in caplog.records if "VRAM budget on" in r.getMessage()]
-    assert stats["pressure_yields"] == 0 and stats["vram_budget_planned"] == 1 and len(plans) == 1
-    # 12 MiB less the 3 the gap takes above the ring's 2, less the quarter and 5% left free there (3.6): 5.4
-    # MiB for the ring and the resident layers.
-    assert 0 < stats["resident_bytes"] <= int(5.4 * MiB) - stats["ring_bytes"]
-    assert "between steps, where a quarter is left free" in plans[0] and "LAYERSTREAM_VRAM_PEAK=cycles" in plans[0]
-
-
-@pytest.mark.parametrize("gap_mib, room_mib", [(3, 8.4), (5, 6.4)])
-def test_with_the_quarter_above_start_the_gap_has_it_and_its_peak_the_headroom_and_no_gap_yields(
-        engine, device, monkeypatch, caplog, gap_mib, room_mib):
-    """LAYERSTREAM_VRAM_GAP=start. Each gap between two steps takes a few MiB for a moment (the optimizer's
-    temporaries, a sample) and gives them back. LAYERSTREAM_VRAM_PEAK=cycles measures the gap apart from the
-    step, plans once the window has seen one, and leaves free a quarter of the card and the headroom above
-    the cycle's start (what an allocation between steps is promised before resident layers give theirs
-    back) and the headroom at the gap's peak: one plan, no yield, and the losses are the all-resident run's. The 12 MiB card's cycles
-    start with the 2 MiB ring: a 3 MiB gap (the quarter) leaves 12 - 3.6 = 8.4 MiB for the ring and the
-    resident layers; a 5 MiB gap, more than a quarter, leaves 12 - 5 - 0.6 = 6.4."""
-    monkeypatch.setenv("LAYERSTREAM_VRAM_PEAK", "cycles")
-    monkeypatch.setenv("LAYERSTREAM_VRAM_GAP", "start")
+    if rule:
+        monkeypatch.setenv("LAYERSTREAM_VRAM_GAP", rule)
     base, ref, managed, state = _on_a_small_card(engine, device, monkeypatch, STEPS[:8])
 
     def between(step):
@@ -210,9 +188,9 @@ def test_with_the_quarter_above_start_the_gap_has_it_and_its_peak_the_headroom_a
     assert 0 < stats["resident_bytes"] <= room - stats["ring_bytes"]
     # Spread residency fills the room to within one layer (the small card's layers are 0.33 MiB or less).
     assert stats["resident_bytes"] > room - stats["ring_bytes"] - MiB // 2
-    assert f"{2 + gap_mib} MiB between steps, where the headroom is left free, and a quarter" in plans[0]
-    assert "(LAYERSTREAM_VRAM_GAP=start)" in plans[0]
-    assert "LAYERSTREAM_VRAM_PEAK=cycles" in plans[0]
+    said = ("the headroom is left free, and a quarter and the headroom above the cycle's start "
+            "(LAYERSTREAM_VRAM_GAP=start)" if rule else "a quarter is left free beside the headroom")
+    assert f"{2 + gap_mib} MiB between steps, where {said}" in plans[0] and "LAYERSTREAM_VRAM_PEAK=cycles" in plans[0]
 
 
 def test_without_a_budget_an_allocation_that_does_not_fit_still_fails_and_nothing_changes(engine, device,
