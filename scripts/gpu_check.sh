@@ -638,7 +638,7 @@ if want models && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   # bf16 and float8 (torchao's Float8WeightOnlyConfig as AI-Toolkit quantizes with layer offloading), each
   # stock at offload_percent 0.5 and 1.0 (its best reported) against layerstream auto; qwendet / wandet = bf16
   # with strict deterministic kernels, all-resident uncapped against layerstream auto under the cap, losses
-  # compared bit for bit. LAYERSTREAM_MODEL_STEPS="WARMUP STEPS" (default "2 3").
+  # compared bit for bit; qwenmin / wanmin / qwen8min / wan8min = layerstream alone at its default (min). LAYERSTREAM_MODEL_STEPS="WARMUP STEPS" (default "2 3").
   ensure_installed
   read -r MW MS <<<"${LAYERSTREAM_MODEL_STEPS:-2 3}"
   for item in ${LAYERSTREAM_MODEL_RUNS:-wan qwen8 qwendet wandet wan8}; do
@@ -647,8 +647,11 @@ if want models && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
       wan*) preset=wan22-41f ;;
       *) echo "   FAIL models: unknown run '$item'" | tee -a "$OUT/summary.txt"; status=1; continue ;;
     esac
-    Q=(); [[ $item == *8 ]] && Q=(--quantize float8)
-    if [[ $item == *det ]]; then
+    Q=(); [[ $item == *8 || $item == *8min ]] && Q=(--quantize float8)
+    if [[ $item == *min ]]; then
+      step "$preset ${Q[*]:-bf16} under 24 GiB: layerstream's default (LAYERSTREAM_VRAM_BUDGET unset: min)"
+      flux "model_${item}" --preset "$preset" "${Q[@]}" --mode layerstream --vram-cap-gb 24 --warmup "$MW" --steps "$MS"
+    elif [[ $item == *det ]]; then
       step "$preset bf16, deterministic kernels: all-resident uncapped against layerstream auto under 24 GiB"
       flux "model_${item}_resident" --preset "$preset" --mode resident --deterministic --warmup "$MW" --steps "$MS"
       flux "model_${item}" LAYERSTREAM_VRAM_BUDGET=auto --preset "$preset" --mode layerstream --deterministic \
