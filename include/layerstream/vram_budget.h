@@ -102,7 +102,7 @@ class CyclePeaks {
 
 // The plan for one step's record: the ring and resident layers (plan_ring_and_residency over the
 // candidates), kept at the current ring unless another copies fewer bytes (a rebuild costs a stall and the
-// resident copies again).
+// resident copies again). `ahead`: the copies the engine makes ahead of need, replayed too (Lookahead).
 struct BudgetPlan {
   RingPlan ring;                  // ring.ring_bytes: the chosen ring; ring.resident: by layer, first-use order
   std::uint64_t stay_copied = 0;  // the estimate with the ring in use
@@ -110,7 +110,7 @@ struct BudgetPlan {
 };
 BudgetPlan plan_budget(const std::vector<std::size_t>& sizes, const std::vector<std::size_t>& footprints,
                        const std::vector<std::size_t>& uses, std::size_t room, std::size_t current_ring,
-                       std::size_t largest_device_bytes, bool ring_fixed);
+                       std::size_t largest_device_bytes, bool ring_fixed, const Lookahead& ahead = {});
 
 // When the budget plans, and from what: uses are recorded from the first use in a training step (a
 // forward with grad enabled; passes before it, such as samples, have neither a step's order nor its peak),

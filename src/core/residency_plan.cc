@@ -46,14 +46,30 @@ class RingModel {
                  " footprints for ", bytes.size(), " layers");
   }
 
-  // Bytes copied by these uses, from the store as the previous calls left it.
-  std::uint64_t run(const std::vector<std::size_t>& uses) {
+  // Bytes copied by these uses, from the store as the previous calls left it; with `ahead`, the copies
+  // made ahead of need too (the next uses looked at wrap around to the sequence's start: a loop's next step).
+  std::uint64_t run(const std::vector<std::size_t>& uses, const Lookahead& ahead = {}) {
+    LS_CHECK_ARG(ahead.layers == 0 || ahead.bytes.size() == bytes_.size(), "replay: ", ahead.bytes.size(),
+                 " lookahead sizes for ", bytes_.size(), " layers");
+    LS_CHECK_ARG(ahead.never.empty() || ahead.never.size() == bytes_.size(), "replay: ", ahead.never.size(),
+                 " lookahead flags for ", bytes_.size(), " layers");
     std::uint64_t copied = 0;
-    for (std::size_t layer : uses) {
+    for (std::size_t i = 0; i < uses.size(); ++i) {
+      const std::size_t layer = uses[i];
       LS_CHECK_ARG(layer < bytes_.size(), "replay_copies: use of layer ", layer, " of ", bytes_.size());
-      if (resident_[layer] || present_[layer]) continue;
-      copied += bytes_[layer];
-      place(layer);
+      if (!resident_[layer] && !present_[layer]) {
+        copied += bytes_[layer];
+        place(layer, kNoLayer);
+      }
+      std::size_t planned = 0;
+      for (std::size_t k = 1; k <= ahead.layers; ++k) {
+        const std::size_t next = uses[(i + k) % uses.size()];
+        if (next == layer || (!ahead.never.empty() && ahead.never[next])) continue;
+        planned += ahead.bytes[next];
+        if (planned > capacity_ / 3) break;
+        if (resident_[next] || present_[next]) continue;
+        if (place(next, present_[layer] ? layer : kNoLayer)) copied += bytes_[next];
+      }
     }
     return copied;
   }
@@ -62,22 +78,43 @@ class RingModel {
   struct Placed {
     std::size_t offset, size, layer;
   };
+  static constexpr std::size_t kNoLayer = static_cast<std::size_t>(-1);
 
-  // As DeviceRing places a region with none held: at the head, or at the start when the end is short.
-  void place(std::size_t layer) {
+  static bool overlaps(std::size_t a, std::size_t a_size, std::size_t b, std::size_t b_size) {
+    return a < b + b_size && b < a + a_size;
+  }
+
+  // As DeviceRing's first-in-first-out placement: at the head, or at the start when the end is short, past
+  // the region of `held` (kNoLayer: none) when it is in the way. False when nothing was placed: a layer
+  // larger than the store (copied at every use) or, past the held region, no room.
+  bool place(std::size_t layer, std::size_t held) {
     const std::size_t size = held_by_[layer];
-    if (size > capacity_ || size == 0) return;  // larger than the store: copied at every use
-    const std::size_t at = head_ + size <= capacity_ ? head_ : 0;
+    if (size > capacity_ || size == 0) return false;  // larger than the store: copied at every use
+    std::size_t at = head_ + size <= capacity_ ? head_ : 0;
+    if (held != kNoLayer) {
+      const auto it = std::find_if(live_.begin(), live_.end(), [&](const Placed& r) { return r.layer == held; });
+      std::size_t scanned = 0;
+      while (it != live_.end() && overlaps(at, size, it->offset, it->size)) {
+        scanned += it->offset + it->size - at;
+        at = it->offset + it->size;
+        if (at + size > capacity_) {
+          scanned += capacity_ - at;
+          at = 0;
+        }
+        if (scanned > capacity_ + size) return false;
+      }
+    }
     live_.erase(std::remove_if(live_.begin(), live_.end(),
                                [&](const Placed& r) {
-                                 const bool overlaps = r.offset < at + size && at < r.offset + r.size;
-                                 if (overlaps) present_[r.layer] = false;
-                                 return overlaps;
+                                 const bool hit = overlaps(at, size, r.offset, r.size);
+                                 if (hit) present_[r.layer] = false;
+                                 return hit;
                                }),
                 live_.end());
     live_.push_back({at, size, layer});
     present_[layer] = true;
     head_ = at + size == capacity_ ? 0 : at + size;
+    return true;
   }
 
   const std::vector<std::size_t>& bytes_;
@@ -114,20 +151,20 @@ std::vector<std::size_t> one_step(const std::vector<std::size_t>& uses) {
 
 std::uint64_t replay_step_in_loop(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,
                                   const std::vector<bool>& resident, std::size_t capacity,
-                                  const std::vector<std::size_t>& footprint) {
+                                  const std::vector<std::size_t>& footprint, const Lookahead& ahead) {
   RingModel ring(bytes, resident, capacity, footprint);
-  ring.run(uses);  // the first step, from an empty store
-  std::uint64_t previous = ring.run(uses), copied = ring.run(uses);  // passes 2 and 3
+  ring.run(uses, ahead);  // the first step, from an empty store
+  std::uint64_t previous = ring.run(uses, ahead), copied = ring.run(uses, ahead);  // passes 2 and 3
   for (int pass = 3; copied != previous && pass < kLoopPasses; ++pass) {
     previous = copied;
-    copied = ring.run(uses);
+    copied = ring.run(uses, ahead);
   }
   return copied == previous ? copied : (previous + copied) / 2;  // unsettled: the mean of the last two
 }
 
 RingPlan plan_ring_and_residency(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,
                                  std::size_t room, const std::vector<std::size_t>& ring_sizes, double fill,
-                                 const std::vector<std::size_t>& footprint) {
+                                 const std::vector<std::size_t>& footprint, const Lookahead& ahead) {
   LS_CHECK_ARG(!ring_sizes.empty(), "plan_ring_and_residency: no ring size to choose from");
   LS_CHECK_ARG(fill > 0 && fill <= 1, "plan_ring_and_residency: fill must be in (0, 1], got ", fill);
   std::vector<RingPlan> plans;
@@ -137,7 +174,7 @@ RingPlan plan_ring_and_residency(const std::vector<std::size_t>& bytes, const st
     plan.ring_bytes = ring;
     plan.resident = spread_residency(bytes, room > ring ? room - ring : 0);
     plan.copied_bytes = replay_step_in_loop(
-        bytes, uses, plan.resident, static_cast<std::size_t>(static_cast<double>(ring) * fill), footprint);
+        bytes, uses, plan.resident, static_cast<std::size_t>(static_cast<double>(ring) * fill), footprint, ahead);
     plans.push_back(std::move(plan));
   }
   std::uint64_t fewest = plans.front().copied_bytes;

@@ -109,13 +109,13 @@ std::vector<std::size_t> candidate_rings(std::size_t current, std::size_t larges
 
 BudgetPlan plan_budget(const std::vector<std::size_t>& sizes, const std::vector<std::size_t>& footprints,
                        const std::vector<std::size_t>& uses, std::size_t room, std::size_t current_ring,
-                       std::size_t largest_device_bytes, bool ring_fixed) {
+                       std::size_t largest_device_bytes, bool ring_fixed, const Lookahead& ahead) {
   BudgetPlan out;
   out.room = room;
-  const RingPlan stay = plan_ring_and_residency(sizes, uses, room, {current_ring}, 1.0, footprints);
+  const RingPlan stay = plan_ring_and_residency(sizes, uses, room, {current_ring}, 1.0, footprints, ahead);
   out.stay_copied = stay.copied_bytes;
-  out.ring = plan_ring_and_residency(sizes, uses, room,
-                                     candidate_rings(current_ring, largest_device_bytes, ring_fixed), 1.0, footprints);
+  out.ring = plan_ring_and_residency(sizes, uses, room, candidate_rings(current_ring, largest_device_bytes, ring_fixed),
+                                     1.0, footprints, ahead);
   if (out.ring.copied_bytes > stay.copied_bytes) out.ring = stay;
   return out;
 }

@@ -294,6 +294,8 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
   gap_pressure_threshold_ = headroom_.gap_threshold();
   std::vector<LayerId> ids;
   std::vector<std::size_t> sizes, footprints;  // copied and resident bytes; what each takes in the ring
+  Lookahead ahead;  // the copies observe_and_prefetch makes ahead of need, replayed by the plan too
+  ahead.layers = prefetch_ ? lookahead_layers_ : 0;
   std::unordered_map<LayerId, std::size_t> index;
   std::size_t largest = 0;
   for (LayerId id : recorder_.first_uses()) {
@@ -304,6 +306,8 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
       ids.push_back(id);
       sizes.push_back(*bytes);
       footprints.push_back(ring_footprint(*in_ring));
+      ahead.bytes.push_back(*in_ring);  // as observe_and_prefetch counts them
+      ahead.never.push_back(fresh_each_use_.count(id) != 0);
       largest = std::max(largest, *in_ring);
     }
   }
@@ -311,7 +315,8 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
   for (LayerId id : recorder_.take_uses()) {
     if (auto it = index.find(id); it != index.end()) recorded.push_back(it->second);
   }
-  const BudgetPlan budget = plan_budget(sizes, footprints, one_step(recorded), room.room, ring, largest, ring_fixed_);
+  const BudgetPlan budget = plan_budget(sizes, footprints, one_step(recorded), room.room, ring, largest, ring_fixed_,
+                                        ahead);
   const RingPlan& plan = budget.ring;
   budget_room_ = room.room > plan.ring_bytes ? room.room - plan.ring_bytes : 0;
   budget_estimate_ = plan.copied_bytes;

@@ -95,6 +95,21 @@ TEST(RingPlan, AStepOfTheLoopIsCountedOnceThePassesSettle) {
   EXPECT_EQ(replay_step_in_loop(bytes, uses, none, 5), 7u);
 }
 
+// Copies ahead of need, as the engine's prefetch makes them. Two slots, uses 0 1 0 2 looped: on demand each
+// step copies 0, 1 and 2 (30). With one layer looked ahead, 1 and then 2 are copied while 0 is in use, each
+// placed past 0's region (it is held) over the other: 0 stays, and a step copies 20. A lookahead whose
+// layers take more than a third of the store copies nothing ahead.
+TEST(RingPlan, TheReplayMakesTheCopiesAheadOfNeedPastTheHeldRegion) {
+  const std::vector<std::size_t> bytes = {10, 10, 10}, uses = {0, 1, 0, 2};
+  const std::vector<bool> none(3, false);
+  EXPECT_EQ(replay_step_in_loop(bytes, uses, none, 20), 30u);
+  EXPECT_EQ(replay_step_in_loop(bytes, uses, none, 20, {}, Lookahead{1, {1, 1, 1}, {}}), 20u);
+  EXPECT_EQ(replay_step_in_loop(bytes, uses, none, 20, {}, Lookahead{1, {7, 7, 7}, {}}), 30u);  // 7 > 20 / 3
+  // A layer never copied ahead (a trainable one) is skipped as the used one is: 2 is then copied on demand.
+  EXPECT_EQ(replay_step_in_loop(bytes, uses, none, 20, {}, Lookahead{1, {1, 1, 1}, {false, false, true}}), 30u);
+  EXPECT_THROW(replay_step_in_loop(bytes, uses, none, 20, {}, Lookahead{1, {1, 1}, {}}), InvalidArgument);
+}
+
 // A layer with scratch (quantized codes and room for the weights dequantized from them) takes more of the
 // store than it copies: fewer such layers fit, and each copy still counts its bytes only.
 TEST(RingPlan, ReplayHoldsTheFootprintAndCountsTheBytes) {
