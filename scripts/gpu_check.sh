@@ -638,7 +638,8 @@ if want models && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   # bf16 and float8 (torchao's Float8WeightOnlyConfig as AI-Toolkit quantizes with layer offloading), each
   # stock at offload_percent 0.5 and 1.0 (its best reported) against layerstream auto; qwendet / wandet = bf16
   # with strict deterministic kernels, all-resident uncapped against layerstream auto under the cap, losses
-  # compared bit for bit; qwenmin / wanmin / qwen8min / wan8min = layerstream alone at its default (min). LAYERSTREAM_MODEL_STEPS="WARMUP STEPS" (default "2 3").
+  # compared bit for bit; qwenmin / wanmin / qwen8min / wan8min = layerstream alone at its default (min).
+  # LAYERSTREAM_MODEL_STEPS="WARMUP STEPS" (default "2 3").
   ensure_installed
   read -r MW MS <<<"${LAYERSTREAM_MODEL_STEPS:-2 3}"
   for item in ${LAYERSTREAM_MODEL_RUNS:-wan qwen8 qwendet wandet wan8}; do

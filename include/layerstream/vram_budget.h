@@ -63,8 +63,9 @@ std::size_t steady_peak(std::size_t window_peak, std::size_t live_at_start, std:
 // began with (resident layers given back) is no rise. The predicted peaks are the most risen over the
 // cycles that ended and the current one so far, on top of what the current cycle began with; the plan
 // leaves the headroom free at the step's peak and the gap's quarter and the headroom at the gap's (or above
-// the cycle's start: BudgetHeadroom), so that the allocations of a gap seen before never find the device short. A window begun inside a step (a
-// plan again after a yield there) keeps that partial cycle's peaks, as they are, as the least it predicts.
+// the cycle's start: BudgetHeadroom), so that the allocations of a gap seen before never find the device
+// short. A window begun inside a step (a plan again after a yield there) keeps that partial cycle's peaks,
+// as they are, as the least it predicts.
 // Not thread-safe: its owner serializes the calls (the CUDA glue: one leaf lock per device).
 // A training cycle's events, as the torch glue sees them: a step's first forward (outside any backward), the
 // end of its backward, a training forward inside a backward after a nested one ended (a reentrant recompute).

@@ -171,10 +171,10 @@ BudgetHeadroom::Room BudgetHeadroom::room_for(std::size_t limit, std::size_t pea
   // even when the allocator's blocks hold more than the sizes asked (seen on the H200, 2026-12-01: FLUX.1's
   // gap came 56 MiB above a plan that left the quarter alone, and everything resident was given back). Or
   // the headroom there and the quarter above the cycle's start, which is_pressure then keeps for the gap.
-  if (gap_peak > 0 && quarter_above_start_) {
-    r.room = std::min({r.room, room_at(gap_peak, r.headroom), room_at(gap_start, gap_threshold_ + r.headroom)});
-  } else if (gap_peak > 0) {
-    r.room = std::min(r.room, room_at(gap_peak, gap_threshold_ + r.headroom));
+  if (gap_peak > 0) {
+    r.room = quarter_above_start_ ? std::min({r.room, room_at(gap_peak, r.headroom),
+                                              room_at(gap_start, gap_threshold_ + r.headroom)})
+                                  : std::min(r.room, room_at(gap_peak, gap_threshold_ + r.headroom));
   }
   return r;
 }

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <limits>
 #include <mutex>
+#include <optional>
 
 #include "device_state.h"
 #include "layerstream/vram_budget.h"
@@ -181,16 +182,18 @@ std::size_t held_above_cycle_start(c10::DeviceIndex index) {
 // size and runs at every such miss, also when the driver has room. Inside a training step the plan knows
 // the step's peak, so memory is given back only when the device is short of it (below half the headroom
 // the plan left). Between steps the plan knows nothing of what is asked (a sample, a text encoder, the
-// user's tensors), so resident layers are also given back when what the gap holds so far and what is free
-// add up to less than a quarter of what the process may use; the plan leaves that quarter free above the
-// cycle's start (vram_budget.h). What it frees goes to the
-// allocator's cache, which the allocator releases to the driver before its last try.
+// user's tensors), so resident layers are given back when less than a quarter of what the process may use
+// is free, and the plan leaves that quarter free at the gap's peak (vram_budget.h); with
+// LAYERSTREAM_VRAM_GAP=start, when what the gap holds so far and what is free add up to less than that
+// quarter, which the plan leaves free above the cycle's start. What it frees goes to the allocator's cache,
+// which the allocator releases to the driver before its last try.
 class YieldToPressure : public c10::FreeMemoryCallback {
  public:
   bool Execute() override {
     const c10::DeviceIndex index = c10::cuda::current_device();
     bool freed = false;
-    std::size_t room = std::numeric_limits<std::size_t>::max(), whole = room, held = 0;
+    std::size_t room = std::numeric_limits<std::size_t>::max(), whole = room;
+    std::optional<std::size_t> held;  // held_above_cycle_start, read once and only where a state asks it
     bool measured = false;
     for (const auto& state : DeviceState::live()) {
       if (state->mode() != Mode::kCuda || state->device().index() != index) continue;
@@ -199,7 +202,6 @@ class YieldToPressure : public c10::FreeMemoryCallback {
       const bool between_steps = !state->in_training_step();
       if (!measured) {
         room = free_for_allocation(index, nullptr, &whole);
-        held = held_above_cycle_start(index);
         measured = true;
       }
       // Inside a step the plan's own peak is known: a miss is pressure when what a miss can still get is
@@ -207,7 +209,11 @@ class YieldToPressure : public c10::FreeMemoryCallback {
       // flows of 2026-12-01 ran without a yield so); with LAYERSTREAM_VRAM_GAP=start, with what is free and
       // what the gap holds together, less the copies the plan itself made in this cycle.
       const std::size_t free_now = between_steps ? room : whole;
-      const std::size_t gap_used = state->quarter_above_start() ? state->held_by_gap(held) : 0;
+      std::size_t gap_used = 0;
+      if (between_steps && state->quarter_above_start()) {
+        if (!held) held = held_above_cycle_start(index);
+        gap_used = state->held_by_gap(*held);
+      }
       if (BudgetHeadroom::is_pressure(threshold, state->gap_pressure_threshold(), between_steps, free_now, gap_used)) {
         freed = state->yield_for_pressure(std::numeric_limits<std::size_t>::max(), between_steps, free_now) || freed;
       }

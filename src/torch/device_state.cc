@@ -115,8 +115,7 @@ DeviceState::DeviceState(const c10::Device& device, Mode mode) : device_(device)
   ring_policy_ = settings->ring_policy;
   vram_budget_ = settings->vram_budget;
   vram_peak_ = settings->vram_peak;
-  quarter_above_start_ = settings->vram_gap == VramGap::kQuarterAboveStart;
-  headroom_.set_quarter_above_start(quarter_above_start_);
+  headroom_.set_quarter_above_start(settings->vram_gap == VramGap::kQuarterAboveStart);
   ring_fixed_ = settings->ring_bytes.has_value();
   pool_ = std::make_shared<HostPool>();
   ArenaOptions arena;

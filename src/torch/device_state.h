@@ -190,7 +190,7 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   VramPeak vram_peak() const { return vram_peak_; }
   // LAYERSTREAM_VRAM_GAP=start: between steps the quarter is asked of what is free and what the gap holds
   // together (BudgetHeadroom::is_pressure).
-  bool quarter_above_start() const { return quarter_above_start_; }
+  bool quarter_above_start() const { return headroom_.quarter_above_start(); }  // set once, at construction
   // Of `held`, the bytes held above the training cycle's start, what the gap holds: less the copies the
   // budget's plan made in this cycle (its resident layers and the ring's growth), which the next cycle's
   // start counts. (Without that, on the H200 2026-12-02, the plan's own copies passed for the gap's use and a
@@ -277,7 +277,6 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   std::atomic<bool> in_step_{false};                 // in_training_step()
   std::atomic<bool> step_began_{false};              // step_began_at_this_use()
   VramPeak vram_peak_ = VramPeak::kCycles;           // LAYERSTREAM_VRAM_PEAK
-  bool quarter_above_start_ = false;                 // LAYERSTREAM_VRAM_GAP=start
   std::atomic<std::size_t> plan_added_bytes_{0};     // held_by_gap(): made by this cycle's plan
   std::atomic<int> step_task_{-1};                   // the graph task whose end-of-step callback is queued
   std::unordered_set<const void*> planned_resident_;

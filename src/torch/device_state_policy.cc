@@ -355,7 +355,7 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
                                budget.stay_copied / kMiB, " -> ", plan.copied_bytes / kMiB, " MiB)")
               : std::string();
   return detail::concat("layerstream VRAM budget on ", describe(), ": ", view.limit / kMiB, " MiB",
-                        vram_budget_.automatic ? " (auto)" : "", ", peak ", view.peak / kMiB, describe_peak(view, quarter_above_start_),
+                        vram_budget_.automatic ? " (auto)" : "", ", peak ", view.peak / kMiB, describe_peak(view, quarter_above_start()),
                         "), ", headroom_.permille() / 10, "% headroom: ", kept, " layers (", kept_bytes / kMiB,
                         " MiB) stay on the device, ", streamed, " stream", ring_note,
                         not_copied > 0 ? detail::concat(" (", not_copied, " of them planned to stay, but their "
