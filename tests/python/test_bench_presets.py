@@ -73,3 +73,29 @@ def test_checkpointed_losses_are_bitwise_alike_in_every_mode(preset, quantize, m
         stored = sum(sum(t.nbytes for t in torchao_codes_and_scale(m.weight)) + m.bias.nbytes
                      for m in model.modules() if type(m) is torch.nn.Linear)
         assert rows["stock"]["managed_bytes"] == rows["layerstream"]["managed_bytes"] == stored
+
+
+def test_the_flows_samples_are_counted_apart_from_the_steps(monkeypatch):
+    """--aitk-flow samples under no_grad between timed steps; that time is not in the steps' times, so their
+    copies must not be in bytes_per_step (nor in the floor made from it). Stock stages every weight at every
+    call, so its figures are exact: a sample copies the managed bytes once (one forward), and the steps' bytes
+    are those of the same run without samples."""
+    aitk = _aitk_dir()
+    monkeypatch.setenv("LAYERSTREAM_BACKEND", "sim")
+    monkeypatch.setenv("LAYERSTREAM_TIME_WAITS", "1")
+    rows = {}
+    for every in (0, 1):
+        args = parse_args(["--preset", "qwen-image-small", "--rank", "4", "--warmup", "1", "--steps", "2",
+                           "--aitk-dir", aitk, "--aitk-flow", "--buckets", "1", "--sample-every", str(every)])
+        clear_device_states()
+        rows[every] = {mode: run_mode(args, mode, torch.device("cpu")) for mode in ("stock", "layerstream")}
+        assert [r["status"] for r in rows[every].values()] == ["ok"] * 2, rows[every]
+    clear_device_states()
+    plain, sampled = rows[0]["stock"], rows[1]["stock"]
+    assert "samples_timed_window" not in plain
+    assert sampled["samples_timed_window"] == 2  # after each of the two timed steps
+    assert sampled["bytes_per_sample"] == sampled["managed_bytes"]
+    assert sampled["bytes_per_step"] == plain["bytes_per_step"] > 0
+    streamed = rows[1]["layerstream"]
+    assert streamed["samples_timed_window"] == 2 and streamed["bytes_per_sample"] > 0
+    assert streamed["losses"] == rows[0]["layerstream"]["losses"]  # a sample under no_grad trains nothing

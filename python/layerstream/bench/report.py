@@ -165,6 +165,14 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
         attach = "MemoryManager.attach (resident: the move to the device):\n" + attach
         print(attach)
         losses += "\n\n" + attach
+    samples = "\n".join(
+        f"  {label(r)}: {r['samples_timed_window']} sample(s), {r['bytes_per_sample'] / GiB:.2f} GiB copied each"
+        for r in rows if r["status"] == "ok" and r.get("samples_timed_window"))
+    if samples:
+        samples = ("--aitk-flow's no_grad samples among the timed steps (untimed; their bytes are not in GiB/step "
+                   "or the floor):\n" + samples)
+        print(samples)
+        losses += "\n\n" + samples
     plans = budget_plans(rows)
     if plans:
         print(plans)

@@ -203,6 +203,14 @@ def _run_mode(args, mode: str, device: torch.device) -> dict:
     return row
 
 
+def _add_samples(row: dict, steps: Steps) -> None:
+    """--aitk-flow's samples among the timed steps: how many, and the bytes each copied on average (left out of
+    bytes_per_step, as their time is left out of the steps' times)."""
+    if steps.samples:
+        row["samples_timed_window"] = steps.samples
+        row["bytes_per_sample"] = steps.sample_bytes / steps.samples
+
+
 def _add_memory_and_bytes(row: dict, mode: str, model, device: torch.device, steps: Steps) -> None:
     """The row's peak VRAM, the bytes the managers hold (pinned) and copy per timed step."""
     managed = managed_tensors(model)
@@ -217,7 +225,8 @@ def _add_memory_and_bytes(row: dict, mode: str, model, device: torch.device, ste
     elif mode == "stock":
         row["pinned_bytes"], row["pinned_bytes_exact"] = stock_pinned_bytes(managed)
         # Counted at stock's own staging calls over the timed steps (see StockCopyCounter).
-        row["bytes_per_step"] = (end["bytes_h2d"] - start["bytes_h2d"]) / n
+        row["bytes_per_step"] = (end["bytes_h2d"] - start["bytes_h2d"] - steps.sample_bytes) / n
+        _add_samples(row, steps)
     else:
         row["engine_stats"] = end
         if end is not None:
@@ -226,6 +235,8 @@ def _add_memory_and_bytes(row: dict, mode: str, model, device: torch.device, ste
             row["host_memory"] = {k: end.get(k) for k in ("host_pinned_packed_bytes", "host_pinned_plain_bytes",
                                                           "host_pageable_bytes")}
             if start is not None and "bytes_h2d" in end:
-                row["bytes_per_step"] = (end["bytes_h2d"] - start["bytes_h2d"]) / n
+                row["bytes_per_step"] = (end["bytes_h2d"] - start["bytes_h2d"] - steps.sample_bytes) / n
+                _add_samples(row, steps)
             if start is not None and end.get("copy_waits_timed"):
-                row["copy_wait_ms_per_step"] = (end["copy_wait_us"] - start["copy_wait_us"]) / 1e3 / n
+                row["copy_wait_ms_per_step"] = (end["copy_wait_us"] - start["copy_wait_us"]
+                                                - steps.sample_wait_us) / 1e3 / n

@@ -16,12 +16,18 @@ from .timeline import profile_timeline
 @dataclass
 class Steps:
     """What the warm-up and timed steps measured; the counters are the mode's cumulative bytes copied (None
-    for resident) at the first timed step and at the end of the timed steps."""
+    for resident) at the first timed step and at the end of the timed steps. --aitk-flow's samples between
+    the timed steps copy too: sample_bytes is what they copied and sample_wait_us how long their compute waited
+    for copies (their time is not in the steps' times, so neither are these in the per-step figures), samples
+    how many ran there."""
     losses: list[float]
     times: list[float]
     stats_at_start: dict | None
     stats_end: dict | None
     joules_per_step: float | None
+    sample_bytes: float = 0.0
+    samples: int = 0
+    sample_wait_us: float = 0.0
 
 
 class Trainer:
@@ -73,6 +79,7 @@ class Trainer:
         nvml = _Nvml(device.index or 0) if device.type == "cuda" else None
         energy_start = None
         user_memory = []  # --user-alloc-gb: what "the user" holds on the device between some steps
+        sample_bytes, sample_wait_us, samples = 0.0, 0.0, 0  # --aitk-flow's samples in the timed window (Steps)
         if args.aitk_flow:
             self.sample()  # AI-Toolkit samples before its first step by default
         for step in range(args.warmup + args.steps):
@@ -96,7 +103,15 @@ class Trainer:
             print(f"[{mode}] step {step}{' (warmup)' if step < args.warmup else ''}: {elapsed:.3f} s, "
                   f"loss {losses[-1]:.6g}", flush=True)
             if args.aitk_flow and args.sample_every and (step + 1) % args.sample_every == 0:
+                # After the first timed step the counters run until the end: a sample's copies are counted
+                # apart from the steps'.
+                before = counters() if stats_at_start is not None else None
                 self.sample()
+                after = counters() if before is not None else None
+                if before is not None and after is not None:
+                    sample_bytes += after.get("bytes_h2d", 0) - before.get("bytes_h2d", 0)
+                    sample_wait_us += after.get("copy_wait_us", 0) - before.get("copy_wait_us", 0)
+                    samples += 1
         user_memory.clear()
         self.current = self.img
         energy_end = nvml.energy_mj() if nvml is not None else None
@@ -105,7 +120,8 @@ class Trainer:
         stats_end = counters() if counters is not None else None
         joules_per_step = ((energy_end - energy_start) / 1e3 / len(times)
                            if energy_start is not None and energy_end is not None else None)
-        return Steps(losses, times, stats_at_start, stats_end, joules_per_step)
+        return Steps(losses, times, stats_at_start, stats_end, joules_per_step, sample_bytes, samples,
+                     sample_wait_us)
 
     def decode_blocks_sweep(self, mode: str) -> list[dict] | None:
         """--decode-blocks-sweep: after the timed steps, the same model again at each limit on the lossless
