@@ -113,10 +113,14 @@ BudgetPlan plan_budget(const std::vector<std::size_t>& sizes, const std::vector<
                        const std::vector<std::size_t>& uses, std::size_t room, std::size_t current_ring,
                        std::size_t largest_device_bytes, bool ring_fixed, const Lookahead& ahead = {});
 
-// When the budget plans, and from what: uses are recorded from the first use in a training step (a
+// When the budget plans, and from what: uses are recorded from the first use of a training step (its first
 // forward with grad enabled; passes before it, such as samples, have neither a step's order nor its peak),
 // and the plan is made once the order has repeated (the access predictor has been right twice as often as
-// there are layers: the second step is under way, and the first one's peak is on record).
+// there are layers: the second step is under way, and the first one's peak is on record). After a restart
+// (a yield, a rebuilt engine) the record begins again at the next step's start, never inside a step: a
+// record begun in a backward lacks the step's forward, and its plan would leave those layers out. A model
+// whose steps never start with grad (every layer in reentrant checkpoints: the forward runs without grad,
+// the recompute inside the backward) is recorded from its first use with grad, as no step start comes.
 class BudgetRecorder {
  public:
   enum class Outcome {
@@ -126,8 +130,13 @@ class BudgetRecorder {
     kRecording,       // recorded
     kPlanNow,         // recorded, and the plan is due now
   };
+  enum class Use {
+    kWithoutGrad,  // outside training (a sample, an evaluation), or a backward's own use
+    kInStep,       // with grad, in a step already under way (a checkpoint's recompute, a later forward)
+    kStepStart,    // the first forward with grad since the last backward ended: a training step begins
+  };
   // `correct_predictions`: the access predictor's count of correct predictions so far.
-  Outcome observe(LayerId layer, bool training, std::uint64_t correct_predictions);
+  Outcome observe(LayerId layer, Use use, std::uint64_t correct_predictions);
   // Forget the record (a rebuilt engine, a yield): plan again from the next training step.
   void restart();
   // Plan again (as restart) and wait for a new plan; `planned()` false.
@@ -145,6 +154,7 @@ class BudgetRecorder {
   bool planned_ = false;
   bool recording_ = false;
   bool told_waiting_ = false;
+  bool saw_step_start_ = false;  // a use has started a step: the record waits for the next such use
   std::uint64_t hits_at_start_ = 0;
   std::vector<LayerId> first_uses_;
   std::unordered_set<LayerId> seen_;

@@ -120,16 +120,19 @@ BudgetPlan plan_budget(const std::vector<std::size_t>& sizes, const std::vector<
   return out;
 }
 
-BudgetRecorder::Outcome BudgetRecorder::observe(LayerId layer, bool training, std::uint64_t correct_predictions) {
+BudgetRecorder::Outcome BudgetRecorder::observe(LayerId layer, Use use, std::uint64_t correct_predictions) {
+  if (use == Use::kStepStart) saw_step_start_ = true;
   if (planned_) return Outcome::kNothing;
   Outcome out = Outcome::kRecording;
   if (!recording_) {
-    if (!training) {
+    if (use == Use::kInStep && saw_step_start_) return Outcome::kNothing;  // wait for the next step's start
+    if (use == Use::kWithoutGrad) {
       if (told_waiting_) return Outcome::kNothing;
       told_waiting_ = true;  // once, not at every call of the passes before training
       return Outcome::kWaiting;
     }
     recording_ = true;
+    told_waiting_ = true;  // the wait for the first training step is over: not said after a restart
     hits_at_start_ = correct_predictions;
     out = Outcome::kStarted;
   }

@@ -230,7 +230,9 @@ DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer, bool fr
     // An autograd function's forward runs with grad mode off: its caller says whether grad was on
     // (GradForwardScope).
     const bool training = at::GradMode::is_enabled() || GradForwardScope::active();
-    switch (recorder_.observe(layer, training, predictor_.stats().correct)) {
+    using Use = BudgetRecorder::Use;
+    const Use use = !training ? Use::kWithoutGrad : step_began_ ? Use::kStepStart : Use::kInStep;  // note_use's
+    switch (recorder_.observe(layer, use, predictor_.stats().correct)) {
       case BudgetRecorder::Outcome::kWaiting: out.waits_for_training = true; break;
       case BudgetRecorder::Outcome::kStarted: start_peak_window_locked(); break;
       case BudgetRecorder::Outcome::kPlanNow:

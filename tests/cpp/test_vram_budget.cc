@@ -42,21 +42,22 @@ TEST(VramBudget, CandidateRingsAreTheOneInUseThenDeeperMultiplesOfTheLargestLaye
   EXPECT_EQ(candidate_rings(400 * kMiB, 100 * kMiB, true), (std::vector<std::size_t>{400 * kMiB}));
 }
 
-TEST(VramBudget, TheRecorderWaitsForATrainingForwardThenPlansOnceTheOrderRepeated) {
+TEST(VramBudget, TheRecorderWaitsForATrainingStepsStartThenPlansOnceTheOrderRepeated) {
+  using Use = BudgetRecorder::Use;
   BudgetRecorder r;
   // Passes before training (samples under no_grad): not recorded; said once.
-  EXPECT_EQ(r.observe(1, false, 0), BudgetRecorder::Outcome::kWaiting);
-  EXPECT_EQ(r.observe(2, false, 0), BudgetRecorder::Outcome::kNothing);
+  EXPECT_EQ(r.observe(1, Use::kWithoutGrad, 0), BudgetRecorder::Outcome::kWaiting);
+  EXPECT_EQ(r.observe(2, Use::kWithoutGrad, 0), BudgetRecorder::Outcome::kNothing);
   EXPECT_FALSE(r.recording());
   std::uint64_t hits = 5;  // predictions right before recording do not count
-  EXPECT_EQ(r.observe(1, true, hits), BudgetRecorder::Outcome::kStarted);
-  EXPECT_EQ(r.observe(2, true, hits), BudgetRecorder::Outcome::kRecording);
-  EXPECT_EQ(r.observe(3, true, hits), BudgetRecorder::Outcome::kRecording);
+  EXPECT_EQ(r.observe(1, Use::kStepStart, hits), BudgetRecorder::Outcome::kStarted);
+  EXPECT_EQ(r.observe(2, Use::kInStep, hits), BudgetRecorder::Outcome::kRecording);
+  EXPECT_EQ(r.observe(3, Use::kInStep, hits), BudgetRecorder::Outcome::kRecording);
   // Three layers: the plan is due after 2 * 3 + 2 correct predictions since recording began.
   BudgetRecorder::Outcome last = BudgetRecorder::Outcome::kNothing;
   int uses = 3;
   for (int i = 0; i < 8; ++i) {
-    last = r.observe(static_cast<LayerId>(1 + i % 3), false, ++hits);  // a use without grad is recorded too
+    last = r.observe(static_cast<LayerId>(1 + i % 3), Use::kWithoutGrad, ++hits);  // recorded too
     ++uses;
     if (i < 7) EXPECT_EQ(last, BudgetRecorder::Outcome::kRecording) << i;
   }
@@ -65,13 +66,35 @@ TEST(VramBudget, TheRecorderWaitsForATrainingForwardThenPlansOnceTheOrderRepeate
   EXPECT_EQ(r.first_uses(), (std::vector<LayerId>{1, 2, 3}));
   EXPECT_EQ(r.take_uses().size(), static_cast<std::size_t>(uses));
   EXPECT_TRUE(r.take_uses().empty());
-  EXPECT_EQ(r.observe(1, true, ++hits), BudgetRecorder::Outcome::kNothing);  // planned: nothing more recorded
-  // After a yield: recorded again from the next training forward, without saying again that it waits.
+  EXPECT_EQ(r.observe(1, Use::kStepStart, ++hits), BudgetRecorder::Outcome::kNothing);  // planned: no more
+  // After a yield (here inside a step): recorded again from the next step's start, not from the rest of
+  // this step (a recompute with grad in its backward), and without saying again that it waits.
   r.unplan();
   EXPECT_FALSE(r.planned());
   EXPECT_TRUE(r.first_uses().empty());
-  EXPECT_EQ(r.observe(1, false, hits), BudgetRecorder::Outcome::kNothing);
-  EXPECT_EQ(r.observe(1, true, hits), BudgetRecorder::Outcome::kStarted);
+  EXPECT_EQ(r.observe(2, Use::kInStep, hits), BudgetRecorder::Outcome::kNothing);
+  EXPECT_EQ(r.observe(2, Use::kWithoutGrad, hits), BudgetRecorder::Outcome::kNothing);
+  EXPECT_FALSE(r.recording());
+  EXPECT_EQ(r.observe(1, Use::kStepStart, hits), BudgetRecorder::Outcome::kStarted);
+  EXPECT_EQ(r.first_uses(), (std::vector<LayerId>{1}));
+}
+
+TEST(VramBudget, AModelWhoseStepsNeverStartWithGradIsRecordedFromItsFirstUseWithGrad) {
+  // Every layer in reentrant checkpoints: the forward without grad, the recompute with grad inside the
+  // backward; no use starts a step, so the first use with grad starts the record.
+  using Use = BudgetRecorder::Use;
+  BudgetRecorder r;
+  EXPECT_EQ(r.observe(1, Use::kWithoutGrad, 0), BudgetRecorder::Outcome::kWaiting);
+  EXPECT_EQ(r.observe(1, Use::kInStep, 0), BudgetRecorder::Outcome::kStarted);
+  EXPECT_TRUE(r.recording());
+  // A recorder that began with a step (nothing before it) does not say it waits after a restart either:
+  // that message is about the passes before the first training step.
+  BudgetRecorder s;
+  EXPECT_EQ(s.observe(1, Use::kStepStart, 0), BudgetRecorder::Outcome::kStarted);
+  s.unplan();
+  EXPECT_EQ(s.observe(1, Use::kWithoutGrad, 0), BudgetRecorder::Outcome::kNothing);
+  EXPECT_EQ(s.observe(1, Use::kInStep, 0), BudgetRecorder::Outcome::kNothing);
+  EXPECT_EQ(s.observe(1, Use::kStepStart, 0), BudgetRecorder::Outcome::kStarted);
 }
 
 TEST(VramBudget, TheSteadyPeakAddsWhatTheWindowLeftHeldAndNothingForWhatItFreed) {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 
 import pytest
 import torch
@@ -156,6 +157,57 @@ def test_an_allocation_inside_a_step_that_needs_resident_memory_doubles_the_plan
     messages = [r.getMessage() for r in caplog.records]
     assert any("found no room" in m and "plans again from the next training steps with 10% headroom" in m
                for m in messages)
+
+
+def test_after_a_yield_inside_a_backward_the_budget_plans_from_whole_steps(engine, device, monkeypatch, caplog):
+    """The "user" asks for 8 MiB inside a step's backward (the recompute of a checkpointed block, as a larger
+    bucket's activations would): resident layers give theirs back there. The plan that follows must be
+    made from whole steps, recorded from the next step's start: a record begun in the middle of that backward
+    (seen on the H200 with Wan 2.2) lacks the forward, so its plan left layers out and estimated half of what
+    the steps then moved. Here every layer is in the new plan, measured on steps without the user's memory,
+    the steps after it move its estimate or less, and every loss is the all-resident run's."""
+    steps = _inputs([6] * 16)
+    base, ref, managed, state = _on_a_small_card(engine, device, monkeypatch, steps)
+    step_now = [0]
+    held = []
+
+    def in_backward(module, args):
+        if step_now[0] == 4 and not held and torch._C._current_graph_task_id() != -1:
+            assert state.stats()["resident_bytes"] > 0
+            held.append(mm._testing.sim_device_alloc(state, 8 * MiB))
+
+    moved = []
+
+    def between(step):
+        step_now[0] = step + 1
+        if held:
+            mm._testing.sim_device_free(state, held.pop())
+        moved.append(state.stats()["bytes_h2d"])
+
+    hook = managed.blocks[1].register_forward_pre_hook(in_backward)
+    try:
+        with caplog.at_level(logging.INFO, logger="layerstream"):
+            losses = _train(managed, apply_lora(managed), device, steps, between)
+    finally:
+        hook.remove()
+    assert losses == ref
+    stats = state.stats()
+    assert stats["pressure_yields"] == 1 and stats["vram_budget_planned"] == 1 and stats["sim_races"] == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("inside a training step found no room" in m for m in messages)
+    plans = [m for m in messages if "VRAM budget on" in m]
+    assert len(plans) == 2
+    layers = sum(isinstance(m, torch.nn.Linear) for m in managed.modules())
+    kept, streamed = map(int, re.search(r"(\d+) layers \(\d+ MiB\) stay on the device, (\d+) stream",
+                                        plans[1]).groups())
+    assert kept + streamed == layers and kept > 0
+    # Measured on steps after the one that held the user's memory (a record begun in its backward read 10).
+    assert re.search(r"peak (\d+) MiB in a training cycle", plans[1]).group(1) == "2"
+    # The plan's two steps (5 and 6), then its estimate; the loop then settles on fewer copies, a state of the
+    # ring the replay from an empty ring does not reach (the copies never exceed the estimate).
+    per_step = [b - a for a, b in zip(moved, moved[1:])]
+    assert per_step[6:8] == [stats["vram_budget_estimate"]] * 2
+    assert per_step[-4:] == [per_step[-1]] * 4 and 0 < per_step[-1] <= stats["vram_budget_estimate"]
 
 
 @pytest.mark.parametrize("rule, gap_mib, room_mib", [(None, 3, 5.4), (None, 5, 3.4), ("start", 3, 8.4),
