@@ -256,6 +256,12 @@ void attach_weighted(const py::object& module, LayerManager& core, const std::sh
     const at::Tensor values =
         is_packed_weight(weight) ? weight.attr("_ls_packed").attr("values")().cast<at::Tensor>() : at::Tensor();
     core.layer->pack(weight.cast<at::Tensor>(), tensor_or_undefined(bias), tied, values);
+    if (take_staging_pin_failure()) {
+      log_once("lossless-staging-unpinned", LogLevel::kWarning,
+               "layerstream: page-locked host memory for a weight's copy from the GPU could not be allocated "
+               "(a limit on locked memory?); lossless packing copies into pageable memory instead, which is "
+               "slower at attach and the same afterwards");
+    }
     if (core.layer->lossless_takes_weight()) sync_packed_weight(module, *core.layer);
     if (!is_packed_weight(weight)) core.packed_data = weight.cast<at::Tensor>().data_ptr();
     core.path = state->mode() == Mode::kCpu ? ForwardPath::kCpu : ForwardPath::kStreamed;

@@ -91,6 +91,9 @@ struct LosslessPackTimes {
   double copy_s = 0, table_s = 0, block_s = 0;
 };
 LosslessPackTimes lossless_pack_times();
+// True once after a lossless pack from a GPU could not pin its host copy and used pageable memory: for the
+// caller to say so outside the layer's lock (a Python log sink takes the GIL).
+bool take_staging_pin_failure();
 
 class StreamedLayer : public torch::CustomClassHolder {
  public:

@@ -56,9 +56,15 @@ def decode_blocks(request):
     mm._testing.set_decode_blocks(before)
 
 
+@pytest.mark.parametrize("placed", [False, True], ids=["from-host", "from-device"])
 @pytest.mark.parametrize("decode_blocks", [0, 1], indirect=True, ids=["all-blocks", "one-block"])
 @pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv"])
-def test_lossless_weights_cross_the_bus_packed_and_change_no_bit(engine, device, monkeypatch, conv, decode_blocks):
+def test_lossless_weights_cross_the_bus_packed_and_change_no_bit(engine, device, monkeypatch, conv, decode_blocks,
+                                                                 placed):
+    """`from-device`: the layer on the GPU before attach, as AI-Toolkit places its transformer; its weight is
+    copied to page-locked host memory for the encoder, then freed when the Parameter becomes a PackedWeight."""
+    if placed and torch.device(device).type != "cuda":
+        pytest.skip("on a host device the placed layer is the host one (from-host)")
     monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "lossless")
     clear_device_states()
     torch.manual_seed(12)
@@ -67,6 +73,8 @@ def test_lossless_weights_cross_the_bus_packed_and_change_no_bit(engine, device,
     layer.weight.requires_grad_(False)  # frozen weight, trainable bias
     original = layer.weight.detach().clone()
     reference = copy.deepcopy(layer).to(device)
+    if placed:
+        layer.to(device)
     expected_bytes = packed_bytes(original)
     assert expected_bytes > _align(original.numel(), 16) + _align(original.numel() // 2, 16)  # some exceptions
 
@@ -92,6 +100,7 @@ def test_lossless_weights_cross_the_bus_packed_and_change_no_bit(engine, device,
         reference.bias.grad = None
     # The Parameter keeps its exact values (state_dict, saving, a later unfreeze see them).
     assert torch.equal(layer.weight.detach().cpu(), original)
+    assert type(layer.weight).__name__ == "PackedWeight" and layer.weight.device.type == "cpu"
     if engine != "cpu":  # decoded by the copy stream, never on the compute stream
         stats = mm._DEVICE_STATE[torch.device(device)].stats()
         assert stats["dequant_on_copy"] > 0
