@@ -514,7 +514,7 @@ if want mem; then
   # detflow (default: min, flow, flowres, stockflow, pressure);
   # about 2, 2.5, 1.5 and 1.5 minutes.
   ensure_installed
-  pick_runs mem "${LAYERSTREAM_MEM_RUNS:-min,flow,flowres,stockflow,pressure}" "flow flowres stockflow min flownp detflow pressure flowcyc flow2cyc pressurecyc flowcycll flow2cycll flow2np flow2 flow2start flowstart pressurestart"; MRUNS=$PICKED
+  pick_runs mem "${LAYERSTREAM_MEM_RUNS:-min,flow,flowres,stockflow,pressure}" "flow flowres stockflow min flownp detflow pressure flowcyc flow2cyc pressurecyc flowcycll flow2cycll flow2np flow2 flow2side flow2start flowstart pressurestart"; MRUNS=$PICKED
   if [[ $MRUNS == *,min,* ]]; then
     step "FLUX.1 100% streamed: stock vs layerstream's default (min), peak VRAM side by side"
     flux mem_flux1_min --preset flux1 --mode stock,layerstream --warmup 2 --steps 3
@@ -599,6 +599,13 @@ if want mem; then
     flux mem_flux2_flow LAYERSTREAM_VRAM_BUDGET=auto --preset flux2 --aitk-flow --vram-cap-gb 24 --warmup 2 --steps 4 \
       --mode layerstream
     grep -E "VRAM budget on" "$OUT/all.log" | tail -n 2 | sed 's/^/      /' >>"$OUT/summary.txt"
+  fi
+  if [[ $MRUNS == *,flow2side,* ]]; then
+    # The rest of issue 20's side by side for FLUX.2 in the flow (beside flow2's auto): stock at offload_percent
+    # 0.5 and 1.0 (0.5 keeps more than the cap: skipped at once) and layerstream's default, min.
+    step "AI-Toolkit's flow under a 24 GiB cap, FLUX.2-shaped: stock's sweep and layerstream min (the default)"
+    flux mem_flow2side --preset flux2 --aitk-flow --vram-cap-gb 24 --warmup 2 --steps 4 --mode stock,layerstream \
+      --stock-sweep 0.5,1.0
   fi
   # LAYERSTREAM_VRAM_GAP=start (experimental; the quarter kept between steps above the cycle's start, the headroom
   # at the gap's peak): FLUX.2's and FLUX.1's flows and the user's 4 GiB, beside flow2, flow and pressure.
