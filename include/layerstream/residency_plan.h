@@ -47,11 +47,13 @@ struct Lookahead {
 std::vector<std::size_t> one_step(const std::vector<std::size_t>& uses);
 
 // Bytes copied by a step of a loop that repeats `uses` through one store (as replay_copies), each step
-// beginning with what the previous one left in the store: the passes are replayed until two in a row
-// copy the same (at most kLoopPasses; then the mean of the last two). One pass after the first is not
-// always enough: a region in a gap the head skips at the end of the store can outlive a whole pass (seen
-// on the simulator: the second pass overestimated a step by 2.5%, the third was exact).
-constexpr int kLoopPasses = 8;
+// beginning with what the previous one left in the store: the passes are replayed until the store is left
+// as an earlier pass left it (from there the passes repeat; a step's copies are their mean over that
+// period), at most kLoopPasses (then the mean of the last two). Two passes in a row that copy the same are
+// not enough: a region in a gap the head skips at the end of the store can outlive a whole pass (seen on
+// the simulator: the second pass overestimated a step by 2.5%, the third was exact), and after a yield's
+// re-plan the loop copied the same twice and then settled 11% lower.
+constexpr int kLoopPasses = 16;
 std::uint64_t replay_step_in_loop(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,
                                   const std::vector<bool>& resident, std::size_t capacity,
                                   const std::vector<std::size_t>& footprint = {}, const Lookahead& ahead = {});

@@ -1,6 +1,7 @@
 #include "layerstream/residency_plan.h"
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 
 #include "layerstream/check.h"
@@ -48,6 +49,21 @@ class RingModel {
 
   // Bytes copied by these uses, from the store as the previous calls left it; with `ahead`, the copies
   // made ahead of need too (the next uses looked at wrap around to the sequence's start: a loop's next step).
+  // What the next pass starts from: the head and the regions (by offset). Two passes from equal states copy
+  // the same, and so does every pass after them.
+  struct State {
+    std::size_t head = 0;
+    std::vector<std::array<std::size_t, 3>> regions;  // offset, size, layer
+    bool operator==(const State& o) const { return head == o.head && regions == o.regions; }
+  };
+  State state() const {
+    State s{head_, {}};
+    s.regions.reserve(live_.size());
+    for (const Placed& r : live_) s.regions.push_back({r.offset, r.size, r.layer});
+    std::sort(s.regions.begin(), s.regions.end());
+    return s;
+  }
+
   std::uint64_t run(const std::vector<std::size_t>& uses, const Lookahead& ahead = {}) {
     LS_CHECK_ARG(ahead.layers == 0 || ahead.bytes.size() == bytes_.size(), "replay: ", ahead.bytes.size(),
                  " lookahead sizes for ", bytes_.size(), " layers");
@@ -154,12 +170,23 @@ std::uint64_t replay_step_in_loop(const std::vector<std::size_t>& bytes, const s
                                   const std::vector<std::size_t>& footprint, const Lookahead& ahead) {
   RingModel ring(bytes, resident, capacity, footprint);
   ring.run(uses, ahead);  // the first step, from an empty store
-  std::uint64_t previous = ring.run(uses, ahead), copied = ring.run(uses, ahead);  // passes 2 and 3
-  for (int pass = 3; copied != previous && pass < kLoopPasses; ++pass) {
-    previous = copied;
-    copied = ring.run(uses, ahead);
+  std::vector<RingModel::State> after{ring.state()};  // after[k]: the store after pass k + 1
+  std::vector<std::uint64_t> copied;                  // copied[k]: by pass k + 2, from after[k]
+  for (int pass = 2; pass <= kLoopPasses; ++pass) {
+    copied.push_back(ring.run(uses, ahead));
+    RingModel::State now = ring.state();
+    for (std::size_t k = 0; k < after.size(); ++k) {
+      if (!(after[k] == now)) continue;
+      // The passes from after[k] on repeat forever: a step's copies are their mean over one period.
+      const std::size_t period = after.size() - k;
+      std::uint64_t sum = 0;
+      for (std::size_t j = k; j < copied.size(); ++j) sum += copied[j];
+      return sum / period;
+    }
+    after.push_back(std::move(now));
   }
-  return copied == previous ? copied : (previous + copied) / 2;  // unsettled: the mean of the last two
+  // Not settled within kLoopPasses: the mean of the last two passes.
+  return (copied[copied.size() - 1] + copied[copied.size() - 2]) / 2;
 }
 
 RingPlan plan_ring_and_residency(const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& uses,

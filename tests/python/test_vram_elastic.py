@@ -165,7 +165,7 @@ def test_after_a_yield_inside_a_backward_the_budget_plans_from_whole_steps(engin
     made from whole steps, recorded from the next step's start: a record begun in the middle of that backward
     (seen on the H200 with Wan 2.2) lacks the forward, so its plan left layers out and estimated half of what
     the steps then moved. Here every layer is in the new plan, measured on steps without the user's memory,
-    the steps after it move its estimate or less, and every loss is the all-resident run's."""
+    the settled steps after it move exactly its estimate, and every loss is the all-resident run's."""
     steps = _inputs([6] * 16)
     base, ref, managed, state = _on_a_small_card(engine, device, monkeypatch, steps)
     step_now = [0]
@@ -203,11 +203,12 @@ def test_after_a_yield_inside_a_backward_the_budget_plans_from_whole_steps(engin
     assert kept + streamed == layers and kept > 0
     # Measured on steps after the one that held the user's memory (a record begun in its backward read 10).
     assert re.search(r"peak (\d+) MiB in a training cycle", plans[1]).group(1) == "2"
-    # The plan's two steps (5 and 6), then its estimate; the loop then settles on fewer copies, a state of the
-    # ring the replay from an empty ring does not reach (the copies never exceed the estimate).
+    # Once the loop settles, each step moves exactly the estimate. (It copies 2,366,464 bytes in two steps
+    # after the plan, 2,628,608 in the next and 2,103,296 from then on; the replay took two passes in a row
+    # that copied the same for settled, and estimated the first figure, until it waited for the ring's state
+    # to repeat.)
     per_step = [b - a for a, b in zip(moved, moved[1:])]
-    assert per_step[6:8] == [stats["vram_budget_estimate"]] * 2
-    assert per_step[-4:] == [per_step[-1]] * 4 and 0 < per_step[-1] <= stats["vram_budget_estimate"]
+    assert per_step[-4:] == [stats["vram_budget_estimate"]] * 4
 
 
 @pytest.mark.parametrize("rule, gap_mib, room_mib", [(None, 3, 5.4), (None, 5, 3.4), ("start", 3, 8.4),
