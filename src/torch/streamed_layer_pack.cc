@@ -156,10 +156,6 @@ StoredWeight float8_form(const at::Tensor& values, at::ScalarType f8, at::Scalar
   return s;
 }
 
-// Frozen bfloat16 weight packed exactly (lossless.h), encoded straight into the block by pack(); the caller
-// (module.cc) then makes the Parameter a PackedWeight of those bytes. The table first (one pass over the
-// values). nullopt for a weight whose exponents spread too widely (8 bytes per exception): it packs no
-// smaller, and is stored as it is.
 std::atomic<bool> g_staging_pin_failed{false};  // take_staging_pin_failure(): said once by the caller
 
 // The exact values of `values` in host memory, contiguous, for the encoder (and the Parameter until it is
@@ -182,6 +178,10 @@ at::Tensor host_values(const at::Tensor& values) {
   return values.detach().to(at::kCPU).contiguous();
 }
 
+// Frozen bfloat16 weight packed exactly (lossless.h), encoded straight into the block by pack(); the caller
+// (module.cc) then makes the Parameter a PackedWeight of those bytes. The table first (one pass over the
+// values). nullopt for a weight whose exponents spread too widely (8 bytes per exception): it packs no
+// smaller, and is stored as it is.
 std::optional<StoredWeight> lossless_form(const at::Tensor& values, const at::Tensor& weight) {
   StoredWeight s;
   auto t0 = std::chrono::steady_clock::now();
