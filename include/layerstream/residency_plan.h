@@ -74,9 +74,10 @@ std::uint64_t replay_step_in_loop(const std::vector<std::size_t>& bytes, const s
 // demand would) the replay picked the ring that the engine's measured bytes also found best, for two
 // budgets on the simulator with a checkpointed model; with 2/3 it did not. `footprint` as for
 // replay_copies (resident copies take `bytes`). `ahead`: the engine's copies ahead of need, replayed too
-// (without them the estimate was up to 7% under what the simulator's engine then moved, and 15% under the
-// H200's on FLUX.2-shaped in AI-Toolkit's flow: 104,400 MiB estimated, 120,294 measured, 2026-12-02; with
-// them the simulator's steps move exactly the estimate).
+// (without them the estimate was up to 7% under what the simulator's engine then moved; with them its
+// steps move exactly the estimate. On the H200, FLUX.2-shaped in AI-Toolkit's flow, 2026-12-02: 104,400 MiB
+// estimated, 118,134 counted, of which the flow's one sample among four steps, a forward over the streamed
+// layers, is about 13,700 a step; the benchmark now counts samples apart, not yet run there).
 struct RingPlan {
   std::size_t ring_bytes = 0;
   std::vector<bool> resident;

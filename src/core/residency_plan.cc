@@ -47,8 +47,6 @@ class RingModel {
                  " footprints for ", bytes.size(), " layers");
   }
 
-  // Bytes copied by these uses, from the store as the previous calls left it; with `ahead`, the copies
-  // made ahead of need too (the next uses looked at wrap around to the sequence's start: a loop's next step).
   // What the next pass starts from: the head and the regions (by offset). Two passes from equal states copy
   // the same, and so does every pass after them.
   struct State {
@@ -64,6 +62,8 @@ class RingModel {
     return s;
   }
 
+  // Bytes copied by these uses, from the store as the previous calls left it; with `ahead`, the copies
+  // made ahead of need too (the next uses looked at wrap around to the sequence's start: a loop's next step).
   std::uint64_t run(const std::vector<std::size_t>& uses, const Lookahead& ahead = {}) {
     LS_CHECK_ARG(ahead.layers == 0 || ahead.bytes.size() == bytes_.size(), "replay: ", ahead.bytes.size(),
                  " lookahead sizes for ", bytes_.size(), " layers");

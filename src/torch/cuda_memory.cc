@@ -130,10 +130,12 @@ std::size_t free_for_allocation(c10::DeviceIndex index, std::size_t* limit, std:
   const double fraction = alloc::getMemoryFraction(index);
   const auto allowed = static_cast<std::size_t>(std::min(1.0, fraction) * static_cast<double>(total));
   if (limit != nullptr) *limit = std::min(free_bytes + reserved, allowed);
-  if (whole != nullptr) {
-    *whole = std::min(free_bytes + (reserved - in_use - split), allowed > in_use + split ? allowed - in_use - split : 0);
-  }
-  return std::min(free_bytes + (reserved - in_use), allowed > in_use ? allowed - in_use : 0);
+  // What an allocation can get when `unusable` of what torch reserved is not for it (at least what it holds).
+  const auto free_beside = [&](std::size_t unusable) {
+    return std::min(free_bytes + (reserved - unusable), allowed > unusable ? allowed - unusable : 0);
+  };
+  if (whole != nullptr) *whole = free_beside(in_use + split);
+  return free_beside(in_use);
 }
 
 DeviceMemoryView cuda_memory_view(DeviceState& state, const VramBudget& budget) {

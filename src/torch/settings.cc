@@ -99,7 +99,7 @@ void parse_vram_gap(Settings& s, const std::string& n, const std::string& t) {
   LS_CHECK_ARG(t == "peak" || t == "start", n, "=", t,
                " is not understood; give peak (the default: the budget leaves a quarter of the device free on top "
                "of the peak between steps) or start (a quarter above the training cycle's start, the headroom "
-               "at the peak between steps; not yet measured on a GPU)");
+               "at the peak between steps; less room promised between steps)");
   s.vram_gap = t == "start" ? VramGap::kQuarterAboveStart : VramGap::kQuarterAtPeak;
 }
 
