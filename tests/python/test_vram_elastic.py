@@ -9,6 +9,7 @@ device before attach (as AI-Toolkit's flux2_model.py does), an earlier peak, the
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import re
 
@@ -350,10 +351,15 @@ def test_resident_layers_give_memory_back_to_a_torch_allocation_on_the_gpu(engin
     ref = run(resident)
     del resident
     clear_device_states()
+    gc.collect()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
-    baseline = torch.cuda.memory_reserved(device)
-    cap = baseline + weights + 512 * MiB  # room for the ring, the activations and all resident layers
+    baseline = torch.cuda.memory_reserved(device)  # what earlier tests of this process still hold
+    # Room for what the process holds, every layer, the ring and the activations, where the plan may put them:
+    # between steps it leaves a quarter of the cap and the headroom (5%) free. (A cap of baseline + weights +
+    # 512 MiB passed alone and failed in the whole GPU suite, 2026-12-02, where earlier tests held 1.28 GiB: its
+    # quarter then left room for 28 of the 48 layers.)
+    cap = (baseline + weights + 512 * MiB) * 10 // 7
     old_fraction = torch.cuda.get_per_process_memory_fraction(device)
     torch.cuda.set_per_process_memory_fraction(cap / total, device)
     held = []
@@ -365,7 +371,7 @@ def test_resident_layers_give_memory_back_to_a_torch_allocation_on_the_gpu(engin
         def between(step):
             if step == 3:
                 resident_bytes = state.stats()["resident_bytes"]
-                assert resident_bytes > weights // 2
+                assert resident_bytes > weights // 2, (resident_bytes, weights, baseline, cap)
                 # The user fills the card: first all but an eighth of what is left (torch's cache of the step's
                 # activations serves it, or the allocator asks the driver), then more than that eighth, which
                 # fits only in the resident layers' memory. (One allocation of weights // 2 fitted in the
