@@ -39,7 +39,7 @@
 #          and flowcyc/flow2cyc/pressurecyc: FLUX.1/FLUX.2 flow with LAYERSTREAM_VRAM_PEAK=cycles,
 #          flowcycll/flow2cycll: the same with LAYERSTREAM_HOST_DTYPE=lossless; flow, flow2, pressure and detflow
 #          run the default measure: cycles since 40c26cb, window before; flow2start/flowstart/pressurestart: flow2,
-#          flow and pressure with LAYERSTREAM_VRAM_GAP=start)
+#          flow and pressure with LAYERSTREAM_VRAM_GAP=start; flow2lend/flowlend/pressurelend: with =lend)
 #   rings  FLUX.1-shaped bf16 100% streamed, layerstream alone, at several ring sizes, lookaheads and
 #          placements (LAYERSTREAM_PERF_RINGS="default default:lru 1024 1536x16:lru ...": MiB, x layers,
 #          :fifo or :lru for LAYERSTREAM_RING_POLICY)
@@ -514,7 +514,7 @@ if want mem; then
   # detflow (default: min, flow, flowres, stockflow, pressure);
   # about 2, 2.5, 1.5 and 1.5 minutes.
   ensure_installed
-  pick_runs mem "${LAYERSTREAM_MEM_RUNS:-min,flow,flowres,stockflow,pressure}" "flow flowres stockflow min flownp detflow detflowll pressure flowcyc flow2cyc pressurecyc flowcycll flow2cycll flow2np flow2 flow2side flow2start flowstart pressurestart"; MRUNS=$PICKED
+  pick_runs mem "${LAYERSTREAM_MEM_RUNS:-min,flow,flowres,stockflow,pressure}" "flow flowres stockflow min flownp detflow detflowll pressure flowcyc flow2cyc pressurecyc flowcycll flow2cycll flow2np flow2 flow2side flow2start flowstart pressurestart flow2lend flowlend pressurelend"; MRUNS=$PICKED
   if [[ $MRUNS == *,min,* ]]; then
     step "FLUX.1 100% streamed: stock vs layerstream's default (min), peak VRAM side by side"
     flux mem_flux1_min --preset flux1 --mode stock,layerstream --warmup 2 --steps 3
@@ -618,17 +618,19 @@ if want mem; then
       --stock-sweep 0.5,1.0
   fi
   # LAYERSTREAM_VRAM_GAP=start (experimental; the quarter kept between steps above the cycle's start, the headroom
-  # at the gap's peak): FLUX.2's and FLUX.1's flows and the user's 4 GiB, beside flow2, flow and pressure.
-  for item in flow2start flowstart pressurestart; do
+  # at the gap's peak) and =lend (the quarter lent to resident layers, given back first between steps): FLUX.2's
+  # and FLUX.1's flows and the user's 4 GiB, beside flow2, flow and pressure.
+  for item in flow2start flowstart pressurestart flow2lend flowlend pressurelend; do
     [[ $MRUNS == *,$item,* ]] || continue
+    rule=${item#flow2}; rule=${rule#flow}; rule=${rule#pressure}
     case $item in
-      flow2start) what="FLUX.2-shaped"; args=(--preset flux2 --aitk-flow --vram-cap-gb 24 --warmup 2 --steps 4) ;;
-      flowstart) what="FLUX.1-shaped"; args=("${FLOW[@]}") ;;
-      pressurestart) what="FLUX.1-shaped, the user takes 4 GiB before step 4 for 2 steps"
-                     args=("${FLOW[@]}" --user-alloc-gb 4) ;;
+      flow2*) what="FLUX.2-shaped"; args=(--preset flux2 --aitk-flow --vram-cap-gb 24 --warmup 2 --steps 4) ;;
+      flow*) what="FLUX.1-shaped"; args=("${FLOW[@]}") ;;
+      pressure*) what="FLUX.1-shaped, the user takes 4 GiB before step 4 for 2 steps"
+                 args=("${FLOW[@]}" --user-alloc-gb 4) ;;
     esac
-    step "AI-Toolkit's flow under a 24 GiB cap, $what: layerstream auto, LAYERSTREAM_VRAM_GAP=start"
-    flux "mem_$item" LAYERSTREAM_VRAM_BUDGET=auto LAYERSTREAM_VRAM_GAP=start "${args[@]}" --mode layerstream
+    step "AI-Toolkit's flow under a 24 GiB cap, $what: layerstream auto, LAYERSTREAM_VRAM_GAP=$rule"
+    flux "mem_$item" LAYERSTREAM_VRAM_BUDGET=auto "LAYERSTREAM_VRAM_GAP=$rule" "${args[@]}" --mode layerstream
     grep -E "found no room|VRAM budget on" "$OUT/all.log" | tail -n 4 | sed 's/^/      /' >>"$OUT/summary.txt"
   done
 fi

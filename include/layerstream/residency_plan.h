@@ -77,7 +77,8 @@ std::uint64_t replay_step_in_loop(const std::vector<std::size_t>& bytes, const s
 // (without them the estimate was up to 7% under what the simulator's engine then moved; with them its
 // steps move exactly the estimate. On the H200, FLUX.2-shaped in AI-Toolkit's flow, 2026-12-02: 104,400 MiB
 // estimated, 118,134 counted, of which the flow's one sample among four steps, a forward over the streamed
-// layers, is about 13,700 a step; the benchmark now counts samples apart, not yet run there).
+// layers, is about 13,700 a step; with samples counted apart, the flow without the earlier peak, 2026-12-02:
+// 104,688 estimated, 107,262 moved).
 struct RingPlan {
   std::size_t ring_bytes = 0;
   std::vector<bool> resident;

@@ -83,7 +83,11 @@
   /* Memory pressure: how often resident copies were given back to an allocation that did not fit, */ \
   /* and how many bytes in all (yield_for_pressure). */                                                \
   X(std::uint64_t, pressure_yields)                                                                    \
-  X(std::uint64_t, pressure_yielded_bytes)
+  X(std::uint64_t, pressure_yielded_bytes)                                                             \
+  /* LAYERSTREAM_VRAM_GAP=lend: how often the layers lent the gap's quarter were given back between */ \
+  /* steps (without a new plan; copied again in the next step), and how many bytes in all. */          \
+  X(std::uint64_t, gap_lends)                                                                          \
+  X(std::uint64_t, gap_lent_bytes)
 
 // manager_modules' older names of generated keys: X(old name, generated name). Both are in the dict.
 #define LAYERSTREAM_STATS_ALIASES(X)            \

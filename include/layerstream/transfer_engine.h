@@ -149,8 +149,9 @@ class TransferEngine {
   // lease holds, largest first, until `want` bytes are freed or none is left; returns the bytes freed. It
   // only tries the engine's lock (never waits for it): a caller inside an allocator that the engine's own
   // thread may be allocating from gets 0 instead of a deadlock. Each copy goes after its last readers and
-  // copies (the host waits for their events), as evict_resident does.
-  std::size_t yield_resident(std::size_t want);
+  // copies (the host waits for their events), as evict_resident does. `given` (optional): the layers given
+  // back are appended to it.
+  std::size_t yield_resident(std::size_t want, std::vector<LayerId>* given = nullptr);
   bool resident(LayerId layer) const;
   void wait_ready(const Lease& lease, StreamHandle consumer);
   // For readers on the host itself (the simulator's CPU compute): blocks until the copy has landed.

@@ -167,6 +167,7 @@ class BudgetHeadroom {
   struct Room {
     std::size_t headroom = 0;  // left free at the step's planned peak
     std::size_t room = 0;      // for the ring and the resident layers
+    std::size_t lent = 0;      // of `room`, what the gap's quarter would have kept free (set_lend_gap)
   };
   // Room for the ring and resident layers on a device the process may use `limit` bytes of, whose step
   // peaked at `peak` with a ring of `ring` (the ring is counted again in the plan). Sets the threshold.
@@ -178,7 +179,12 @@ class BudgetHeadroom {
   // a quarter for its own allocations and the user's together, or the most a gap was seen to take if that
   // is more. (FLUX.2-shaped under 24 GiB, whose optimizer step takes 10 GiB between steps, kept 4.3 GiB of
   // layers resident under the default and 8.1 GiB before it, 7% slower: benchmarks/log.md, thirteenth
-  // session.)
+  // session.) With set_lend_gap(true) (LAYERSTREAM_VRAM_GAP=lend) the plan leaves the headroom free at the
+  // step's peak and at the gap's, and lends the quarter to resident layers: `lent` says how much of `room`
+  // the default would have kept free. The owner gives that much back first when an allocation between
+  // steps finds less than the quarter free (is_pressure, unchanged), without planning again, and copies
+  // those layers again in the next step: the gap keeps its quarter on demand, and a step whose gap asks
+  // nothing copies them never.
   Room room_for(std::size_t limit, std::size_t peak, std::size_t ring, std::size_t gap_peak = 0,
                 std::size_t gap_start = 0);
   // An allocation that found no cached block is pressure inside a step when less than half the headroom
@@ -210,12 +216,15 @@ class BudgetHeadroom {
   std::size_t permille() const { return permille_; }
   void set_quarter_above_start(bool on) { quarter_above_start_ = on; }
   bool quarter_above_start() const { return quarter_above_start_; }
+  void set_lend_gap(bool on) { lend_gap_ = on; }
+  bool lend_gap() const { return lend_gap_; }
 
  private:
   std::size_t permille_ = 50;  // 5% at first: allocator fragmentation, a longer prompt
   std::size_t threshold_ = 0;
   std::size_t gap_threshold_ = 0;
   bool quarter_above_start_ = false;
+  bool lend_gap_ = false;
 };
 
 }  // namespace layerstream

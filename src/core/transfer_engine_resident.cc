@@ -2,6 +2,8 @@
 // ring (the VRAM budget's choice), and how they give that memory back (eviction, memory pressure).
 #include "layerstream/transfer_engine.h"
 
+#include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "layerstream/check.h"
@@ -51,20 +53,25 @@ void TransferEngine::evict_resident(LayerId id) {
   drop_resident_locked(layer);
 }
 
-std::size_t TransferEngine::yield_resident(std::size_t want) {
+std::size_t TransferEngine::yield_resident(std::size_t want, std::vector<LayerId>* given) {
   std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
   if (!lock.owns_lock()) return 0;
-  std::vector<Layer*> idle;
+  std::vector<std::pair<LayerId, Layer*>> idle;
   for (auto& [id, layer] : layers_) {
-    if (layer.resident.data() != nullptr && layer.leases == 0) idle.push_back(&layer);
+    if (layer.resident.data() != nullptr && layer.leases == 0) idle.emplace_back(id, &layer);
   }
-  // Largest first: the fewest layers go back to streaming for the bytes asked.
-  std::sort(idle.begin(), idle.end(), [](const Layer* a, const Layer* b) { return a->block.bytes > b->block.bytes; });
+  // Largest first: the fewest layers go back to streaming for the bytes asked (ties by id: the same layers
+  // every time, whatever the map's order).
+  std::sort(idle.begin(), idle.end(), [](const auto& a, const auto& b) {
+    return a.second->block.bytes != b.second->block.bytes ? a.second->block.bytes > b.second->block.bytes
+                                                          : a.first < b.first;
+  });
   std::size_t freed = 0;
-  for (Layer* layer : idle) {
+  for (auto& [id, layer] : idle) {
     if (freed >= want) break;
     freed += layer->block.bytes;
     drop_resident_locked(*layer);
+    if (given != nullptr) given->push_back(id);
   }
   return freed;
 }

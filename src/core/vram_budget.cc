@@ -175,9 +175,15 @@ BudgetHeadroom::Room BudgetHeadroom::room_for(std::size_t limit, std::size_t pea
   // gap came 56 MiB above a plan that left the quarter alone, and everything resident was given back). Or
   // the headroom there and the quarter above the cycle's start, which is_pressure then keeps for the gap.
   if (gap_peak > 0) {
+    const std::size_t at_step = r.room;
     r.room = quarter_above_start_ ? std::min({r.room, room_at(gap_peak, r.headroom),
                                               room_at(gap_start, gap_threshold_ + r.headroom)})
                                   : std::min(r.room, room_at(gap_peak, gap_threshold_ + r.headroom));
+    if (lend_gap_) {  // the headroom at both peaks; what the quarter would have kept is lent
+      const std::size_t lending = std::min(at_step, room_at(gap_peak, r.headroom));
+      r.lent = lending > r.room ? lending - r.room : 0;
+      r.room = std::max(r.room, lending);
+    }
   }
   return r;
 }

@@ -116,6 +116,7 @@ DeviceState::DeviceState(const c10::Device& device, Mode mode) : device_(device)
   vram_budget_ = settings->vram_budget;
   vram_peak_ = settings->vram_peak;
   headroom_.set_quarter_above_start(settings->vram_gap == VramGap::kQuarterAboveStart);
+  headroom_.set_lend_gap(settings->vram_gap == VramGap::kLend);
   ring_fixed_ = settings->ring_bytes.has_value();
   pool_ = std::make_shared<HostPool>();
   ArenaOptions arena;
@@ -324,6 +325,8 @@ StateStats DeviceState::stats() {
   s.vram_budget_estimate = budget_estimate_;
   s.pressure_yields = pressure_yields_.load();
   s.pressure_yielded_bytes = pressure_yielded_bytes_.load();
+  s.gap_lends = gap_lends_.load();
+  s.gap_lent_bytes = gap_lent_bytes_.load();
   if (mode_ == Mode::kSim) s.sim_races = static_cast<SimBackend&>(*pool_->backend).violation_count();
   return s;
 }

@@ -274,6 +274,14 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   std::atomic<std::size_t> gap_pressure_threshold_{0};
   std::atomic<bool> pressure_between_steps_{false};  // the pending yield came from between two steps
   std::atomic<std::size_t> pressure_free_{std::numeric_limits<std::size_t>::max()};  // free at the last yield
+  // LAYERSTREAM_VRAM_GAP=lend (BudgetHeadroom::set_lend_gap): the bytes of the plan's resident layers that
+  // the gap's quarter lends them; whether this gap gave them back already (reset at each step's start);
+  // the layers given back, made resident again at their next use in a training step (under mu_).
+  std::atomic<std::size_t> lendable_bytes_{0};
+  std::atomic<bool> gap_lent_{false};
+  std::unordered_set<LayerId> to_remake_;
+  std::atomic<std::uint64_t> gap_lends_{0};
+  std::atomic<std::uint64_t> gap_lent_bytes_{0};
   std::atomic<bool> in_step_{false};                 // in_training_step()
   std::atomic<bool> step_began_{false};              // step_began_at_this_use()
   VramPeak vram_peak_ = VramPeak::kCycles;           // LAYERSTREAM_VRAM_PEAK
@@ -289,6 +297,9 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
     std::string pressure_report;      // what a yield to memory pressure did (logged)
   };
   UseOutcome observe_and_prefetch(LayerId layer, bool fresh_each_use);  // takes mu_
+  // LAYERSTREAM_VRAM_GAP=lend: a layer the last gap took back becomes resident again (at its use or its copy
+  // ahead of need in a training step); nothing for any other layer. Caller holds mu_.
+  void remake_resident_locked(LayerId layer);
   // After a yield to memory pressure: the budget plans again from the next training steps. Caller holds mu_.
   std::string replan_after_pressure_locked();
   // Starts the windowed peak (the simulator's own, or the resolver's starter on CUDA). Caller holds mu_.
@@ -297,6 +308,14 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   void mark_cycle(CycleEvent event);
   DeviceMemoryView memory_view();
   std::string apply_vram_budget_locked(const DeviceMemoryView& view);  // the line to log
+  // Makes the plan's layers resident (`resident`, by index of `ids`; with `rebuild`, as they register with
+  // the rebuilt engine), and with `give_back_others` gives back the resident copies the plan no longer keeps.
+  struct KeptLayers {
+    std::size_t layers = 0, bytes = 0, streamed = 0, not_copied = 0;
+    std::string copy_error;  // what the last copy that could not be issued raised
+  };
+  KeptLayers keep_resident_locked(const std::vector<LayerId>& ids, const std::vector<std::size_t>& sizes,
+                                  const std::vector<bool>& resident, bool rebuild, bool give_back_others);
   // A layer's packed bytes, or with in_ring what it takes in the ring (its scratch too); nullopt: removed
   // from the engine.
   std::optional<std::size_t> layer_bytes_locked(LayerId layer, bool in_ring) const;

@@ -34,7 +34,7 @@ DeviceState::CycleMarker& cycle_marker() {
 }
 
 // What the plan's peak measured, for its INFO line: " MiB in ... (...": the caller closes the parenthesis.
-std::string describe_peak(const DeviceMemoryView& view, bool quarter_above_start) {
+std::string describe_peak(const DeviceMemoryView& view, const BudgetHeadroom& rule) {
   const char* what = view.cycles ? " MiB in a training cycle (the most a step rose above its cycle's start, on "
                                    "the current cycle's start; LAYERSTREAM_VRAM_PEAK=cycles"
                                  : " MiB in the training step (from its first forward";
@@ -44,10 +44,14 @@ std::string describe_peak(const DeviceMemoryView& view, bool quarter_above_start
   return detail::concat(what, "; what the process held before is not counted",
                         view.held_since > 0 ? detail::concat("; ", view.held_since / kMiB, held) : std::string(),
                         view.gap_peak > 0 ? detail::concat("; ", view.gap_peak / kMiB, " MiB between steps, where ",
-                                                           quarter_above_start
+                                                           rule.quarter_above_start()
                                                                ? "the headroom is left free, and a quarter and "
                                                                  "the headroom above the cycle's start "
                                                                  "(LAYERSTREAM_VRAM_GAP=start)"
+                                                           : rule.lend_gap()
+                                                               ? "the headroom is left free, and a quarter is lent "
+                                                                 "to resident layers given back first on demand "
+                                                                 "(LAYERSTREAM_VRAM_GAP=lend)"
                                                                : "a quarter is left free beside the headroom")
                                           : std::string());
 }
@@ -98,6 +102,22 @@ void DeviceState::note_use(LayerId layer, bool fresh_each_use) {
 bool DeviceState::yield_for_pressure(std::size_t want, bool between_steps, std::size_t free_bytes) {
   std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
   if (!lock.owns_lock() || !engine_) return false;
+  // LAYERSTREAM_VRAM_GAP=lend: between steps the layers the gap's quarter holds go back first, once per gap,
+  // and the plan stands (they are copied again at their next use in a step). Not when the allocation is
+  // known to want more than they free (the simulator says how much; torch's allocator does not).
+  const std::size_t lend = lendable_bytes_.load();
+  const bool unknown = want == std::numeric_limits<std::size_t>::max();
+  if (between_steps && lend > 0 && !gap_lent_.load() && (unknown || want <= lend)) {
+    std::vector<LayerId> given;
+    const std::size_t lent = engine_->yield_resident(lend, &given);
+    if (lent > 0) {
+      gap_lent_ = true;
+      to_remake_.insert(given.begin(), given.end());
+      ++gap_lends_;
+      gap_lent_bytes_ += lent;
+      return true;
+    }
+  }
   const std::size_t freed = engine_->yield_resident(want);
   if (freed == 0) return false;
   ++pressure_yields_;
@@ -145,6 +165,8 @@ std::string DeviceState::replan_after_pressure_locked() {
   plan_deferred_ = false;
   planned_resident_.clear();
   budget_room_ = 0;
+  lendable_bytes_ = 0;
+  to_remake_.clear();
   const std::size_t least = ring_bytes_for(largest_attached_.load());
   const bool shrink = !ring_fixed_ && engine_->ring_capacity() > least;
   if (shrink) {  // the plan's deeper ring goes back to the least at the next call with no layer in use
@@ -211,12 +233,14 @@ DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer, bool fr
     predictor_ = AccessPredictor();
     predictor_generation_ = generation_;
     fresh_each_use_.clear();
+    to_remake_.clear();  // the rebuilt engine makes the plan's layers resident as they register
     if (keep_plan_) {
       recorder_.restart();
     } else {
       recorder_.unplan();  // a rebuilt engine: plan its layers again
       plan_deferred_ = false;
       planned_resident_.clear();
+      lendable_bytes_ = 0;
     }
     keep_plan_ = false;
   }
@@ -226,10 +250,12 @@ DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer, bool fr
     fresh_each_use_.erase(layer);
   }
   predictor_.observe(layer);
+  // An autograd function's forward runs with grad mode off: its caller says whether grad was on
+  // (GradForwardScope).
+  const bool training = at::GradMode::is_enabled() || GradForwardScope::active();
+  if (training && step_began_) gap_lent_ = false;  // LAYERSTREAM_VRAM_GAP=lend: the next gap may lend again
+  if (training) remake_resident_locked(layer);     // lent to the last gap: used in a step again
   if (vram_budget_.enabled) {
-    // An autograd function's forward runs with grad mode off: its caller says whether grad was on
-    // (GradForwardScope).
-    const bool training = at::GradMode::is_enabled() || GradForwardScope::active();
     using Use = BudgetRecorder::Use;
     const Use use = !training ? Use::kWithoutGrad : step_began_ ? Use::kStepStart : Use::kInStep;  // note_use's
     switch (recorder_.observe(layer, use, predictor_.stats().correct)) {
@@ -257,6 +283,10 @@ DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer, bool fr
     if (!bytes) break;  // that layer is gone (freed model): the prediction is stale
     planned += *bytes;
     if (planned > budget) break;
+    if (training && to_remake_.count(next) != 0) {  // copied ahead into its own memory again
+      remake_resident_locked(next);
+      continue;
+    }
     try {
       engine_->prefetch(next);
     } catch (const std::exception& e) {
@@ -266,6 +296,27 @@ DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer, bool fr
     }
   }
   return out;
+}
+
+void DeviceState::remake_resident_locked(LayerId layer) {
+  if (to_remake_.empty() || to_remake_.erase(layer) == 0) return;
+  bool made = true;
+  try {
+    made = engine_->make_resident(layer);
+  } catch (const std::exception&) {
+    // Its copy could not be issued (or the layer is gone): it streams, and its fetch raises what persists.
+  }
+  if (made) return;
+  // No room: what the gap's allocation took is still held, so the lent memory cannot come back. As after a
+  // yield between steps, the rest goes back too and the budget plans again from the steps that hold it (a
+  // failed try at every use would cost torch's allocator its whole out-of-memory path each time).
+  to_remake_.clear();
+  const std::size_t freed = engine_->yield_resident(std::numeric_limits<std::size_t>::max());
+  ++pressure_yields_;
+  pressure_yielded_bytes_ += freed;
+  pressure_free_ = std::numeric_limits<std::size_t>::max();
+  pressure_between_steps_ = true;
+  pressure_pending_ = true;
 }
 
 void DeviceState::consider_residency(TransferEngine& engine, LayerId layer, std::size_t bytes) {
@@ -288,10 +339,50 @@ std::optional<std::size_t> DeviceState::layer_bytes_locked(LayerId layer, bool i
   }
 }
 
+DeviceState::KeptLayers DeviceState::keep_resident_locked(const std::vector<LayerId>& ids,
+                                                         const std::vector<std::size_t>& sizes,
+                                                         const std::vector<bool>& resident, bool rebuild,
+                                                         bool give_back_others) {
+  planned_resident_.clear();
+  KeptLayers out;
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    bool keep = resident[i];
+    if (!keep && give_back_others && engine_->resident(ids[i])) {
+      try {
+        engine_->evict_resident(ids[i]);
+      } catch (const std::exception&) {  // in use now: it stays until the next yield or plan
+      }
+    }
+    if (keep && rebuild) {
+      planned_resident_.insert(engine_->host_block(ids[i]).data);
+    } else if (keep) {
+      try {
+        keep = engine_->make_resident(ids[i]);
+      } catch (const std::exception& e) {  // its copy could not be issued: it streams (and the plan goes on)
+        keep = false;
+        ++out.not_copied;
+        out.copy_error = e.what();
+      }
+    }
+    if (keep) {
+      ++out.layers;
+      out.bytes += sizes[i];
+    } else {
+      ++out.streamed;
+    }
+  }
+  return out;
+}
+
 std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) {
   if (view.limit == 0) return "LAYERSTREAM_VRAM_BUDGET is set but nothing reports device memory here; ignored";
   const std::size_t ring = engine_->ring_capacity();
-  const BudgetHeadroom::Room room = headroom_.room_for(view.limit, view.peak, ring, view.gap_peak, view.gap_start);
+  // Layers still resident from an earlier plan (a yield gives back only what no call holds, and on the
+  // simulator only what the allocation asked) were in the peaks measured: like the ring, the plan places
+  // them anew, and gives back those it no longer keeps.
+  const std::size_t resident_now = engine_->stats().resident_bytes;
+  const BudgetHeadroom::Room room =
+      headroom_.room_for(view.limit, view.peak, ring + resident_now, view.gap_peak, view.gap_start);
   pressure_threshold_ = headroom_.threshold();
   gap_pressure_threshold_ = headroom_.gap_threshold();
   std::vector<LayerId> ids;
@@ -327,42 +418,30 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
   // streamed copies then overlap resident layers' compute.
   const bool rebuild = plan.ring_bytes != ring;
   planned_ring_bytes_ = rebuild ? plan.ring_bytes : 0;
-  planned_resident_.clear();
-  std::size_t kept = 0, kept_bytes = 0, streamed = 0, not_copied = 0;
-  std::string copy_error;
-  for (std::size_t i = 0; i < ids.size(); ++i) {
-    bool keep = plan.resident[i];
-    if (keep && rebuild) {
-      planned_resident_.insert(engine_->host_block(ids[i]).data);
-    } else if (keep) {
-      try {
-        keep = engine_->make_resident(ids[i]);
-      } catch (const std::exception& e) {  // its copy could not be issued: it streams (and the plan goes on)
-        keep = false;
-        ++not_copied;
-        copy_error = e.what();
-      }
-    }
-    if (keep) {
-      ++kept;
-      kept_bytes += sizes[i];
-    } else {
-      ++streamed;
-    }
-  }
+  const KeptLayers kept = keep_resident_locked(ids, sizes, plan.resident, rebuild, resident_now > 0);
+  const std::size_t kept_bytes = kept.bytes;
   plan_added_bytes_ = kept_bytes + (plan.ring_bytes > ring ? plan.ring_bytes - ring : 0);
+  lendable_bytes_ = std::min(room.lent, kept_bytes);
+  gap_lent_ = false;
+  to_remake_.clear();
+  const std::string lend_note =
+      lendable_bytes_.load() > 0
+          ? detail::concat("; ", lendable_bytes_.load() / kMiB, " MiB of them in the quarter lent between steps, given "
+                           "back first when an allocation there needs it and copied again in the next step")
+          : std::string();
   const std::string ring_note =
       rebuild ? detail::concat("; the device ring grows from ", ring / kMiB, " to ", plan.ring_bytes / kMiB,
                                " MiB at the next layer call (estimated copies per planned sequence ",
                                budget.stay_copied / kMiB, " -> ", plan.copied_bytes / kMiB, " MiB)")
               : std::string();
   return detail::concat("layerstream VRAM budget on ", describe(), ": ", view.limit / kMiB, " MiB",
-                        vram_budget_.automatic ? " (auto)" : "", ", peak ", view.peak / kMiB, describe_peak(view, quarter_above_start()),
-                        "), ", headroom_.permille() / 10, "% headroom: ", kept, " layers (", kept_bytes / kMiB,
-                        " MiB) stay on the device, ", streamed, " stream", ring_note,
-                        not_copied > 0 ? detail::concat(" (", not_copied, " of them planned to stay, but their "
-                                                        "copy could not be issued: ", copy_error, ")")
-                                       : std::string());
+                        vram_budget_.automatic ? " (auto)" : "", ", peak ", view.peak / kMiB,
+                        describe_peak(view, headroom_),
+                        "), ", headroom_.permille() / 10, "% headroom: ", kept.layers, " layers (", kept_bytes / kMiB,
+                        " MiB) stay on the device, ", kept.streamed, " stream", lend_note, ring_note,
+                        kept.not_copied > 0 ? detail::concat(" (", kept.not_copied, " of them planned to stay, but "
+                                                             "their copy could not be issued: ", kept.copy_error, ")")
+                                            : std::string());
 }
 
 }  // namespace layerstream::torchglue

@@ -96,11 +96,13 @@ void parse_vram_peak(Settings& s, const std::string& n, const std::string& t) {
 }
 
 void parse_vram_gap(Settings& s, const std::string& n, const std::string& t) {
-  LS_CHECK_ARG(t == "peak" || t == "start", n, "=", t,
+  LS_CHECK_ARG(t == "peak" || t == "start" || t == "lend", n, "=", t,
                " is not understood; give peak (the default: the budget leaves a quarter of the device free on top "
-               "of the peak between steps) or start (a quarter above the training cycle's start, the headroom "
-               "at the peak between steps; less room promised between steps)");
-  s.vram_gap = t == "start" ? VramGap::kQuarterAboveStart : VramGap::kQuarterAtPeak;
+               "of the peak between steps), start (a quarter above the training cycle's start, the headroom "
+               "at the peak between steps; less room promised between steps) or lend (the quarter holds "
+               "resident layers that are given back first when an allocation between steps needs it, and "
+               "copied again in the next step)");
+  s.vram_gap = t == "start" ? VramGap::kQuarterAboveStart : t == "lend" ? VramGap::kLend : VramGap::kQuarterAtPeak;
 }
 
 void parse_host_dtype(Settings& s, const std::string& n, const std::string& t) {

@@ -41,7 +41,8 @@ enum class CpuBackend { kCpu, kSim };  // LAYERSTREAM_BACKEND: how a CPU process
 enum class HostDtype { kSame, kLossless, kFloat8E4M3, kFloat8E5M2 };
 enum class ShareHost { kAuto, kOn, kOff };
 enum class VramPeak { kWindow, kCycles };  // LAYERSTREAM_VRAM_PEAK: how the budget measures a step's peak
-enum class VramGap { kQuarterAtPeak, kQuarterAboveStart };  // LAYERSTREAM_VRAM_GAP: where a gap's quarter is
+// LAYERSTREAM_VRAM_GAP: where a gap's quarter is, or (kLend) whether the plan lends it to resident layers
+enum class VramGap { kQuarterAtPeak, kQuarterAboveStart, kLend };
 
 struct Settings {
   CpuBackend backend = CpuBackend::kCpu;           // LAYERSTREAM_BACKEND

@@ -56,7 +56,9 @@ py::dict settings_dict() {
                      : s->vram_budget.automatic ? py::cast("auto")
                                                 : py::cast(s->vram_budget.bytes);
   d["vram_peak"] = s->vram_peak == VramPeak::kCycles ? "cycles" : "window";
-  d["vram_gap"] = s->vram_gap == VramGap::kQuarterAboveStart ? "start" : "peak";
+  d["vram_gap"] = s->vram_gap == VramGap::kQuarterAboveStart ? "start"
+                 : s->vram_gap == VramGap::kLend               ? "lend"
+                                                               : "peak";
   d["host_dtype"] = host_dtype_name(s->host_dtype);
   d["ostris_decode"] = s->ostris_decode;
   d["share_host"] = s->share_host == ShareHost::kAuto ? "auto" : s->share_host == ShareHost::kOn ? "on" : "off";

@@ -109,6 +109,9 @@ void bind_simulator(py::module_& t) {
           simulator_of(h, "sim_device_free").device_free(reinterpret_cast<void*>(handle));
         },
         py::arg("state"), py::arg("handle"), "Simulator only: frees what sim_device_alloc took.");
+  t.def("sim_device_free_bytes",
+        [](DeviceStateHandle& h) { return simulator_of(h, "sim_device_free_bytes").device_memory_info().first; },
+        py::arg("state"), "Simulator only: the bytes of `state`'s simulated device not allocated now.");
 }
 
 }  // namespace

@@ -228,6 +228,35 @@ TEST(VramBudget, TheGapsQuarterIsLeftFreeAtTheGapsPeakBesideTheHeadroomAtTheStep
   EXPECT_EQ(h.permille(), 250u);
 }
 
+TEST(VramBudget, LendingTheGapsQuarterLeavesTheHeadroomAtBothPeaksAndSaysWhatItLent) {
+  BudgetHeadroom h;
+  h.set_lend_gap(true);
+  const std::size_t limit = 24000 * kMiB, ring = 1000 * kMiB;
+  // Step peak 12000, gap peak 10000: the default leaves 7800 (the quarter at the gap's peak); lending, the
+  // step's peak decides (11800: the gap's peak with the headroom would leave 13800), and 4000 of it is lent.
+  BudgetHeadroom::Room r = h.room_for(limit, 12000 * kMiB, ring, 10000 * kMiB);
+  EXPECT_EQ(r.room, 11800 * kMiB);
+  EXPECT_EQ(r.lent, 4000 * kMiB);
+  // A gap peaking above the step (14000): the headroom at the gap's peak decides (9800), the default's 3800
+  // of it is the rest, 6000 lent: all the quarter.
+  r = h.room_for(limit, 12000 * kMiB, ring, 14000 * kMiB);
+  EXPECT_EQ(r.room, 9800 * kMiB);
+  EXPECT_EQ(r.lent, 6000 * kMiB);
+  // A low gap: the default already leaves the step's room; nothing is lent.
+  r = h.room_for(limit, 12000 * kMiB, ring, 6000 * kMiB);
+  EXPECT_EQ(r.room, 11800 * kMiB);
+  EXPECT_EQ(r.lent, 0u);
+  // Before any gap was measured: the step's room, nothing lent; the thresholds are the default's.
+  r = h.room_for(limit, 12000 * kMiB, ring);
+  EXPECT_EQ(r.room, 11800 * kMiB);
+  EXPECT_EQ(r.lent, 0u);
+  EXPECT_EQ(h.gap_threshold(), 6000 * kMiB);
+  EXPECT_EQ(h.threshold(), 600 * kMiB);
+  // The default never lends.
+  BudgetHeadroom d;
+  EXPECT_EQ(d.room_for(limit, 12000 * kMiB, ring, 10000 * kMiB).lent, 0u);
+}
+
 TEST(VramBudget, WithTheQuarterAboveStartTheGapGetsTheHeadroomAtItsPeakAndAQuarterAboveTheCyclesStart) {
   BudgetHeadroom h;
   h.set_quarter_above_start(true);

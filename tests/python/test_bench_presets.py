@@ -99,3 +99,17 @@ def test_the_flows_samples_are_counted_apart_from_the_steps(monkeypatch):
     streamed = rows[1]["layerstream"]
     assert streamed["samples_timed_window"] == 2 and streamed["bytes_per_sample"] > 0
     assert streamed["losses"] == rows[0]["layerstream"]["losses"]  # a sample under no_grad trains nothing
+
+
+def test_the_budget_line_says_what_was_lent_between_steps_only_where_something_was():
+    """The benchmark's plan line (bench.report.budget_plans) adds the gap's lends of LAYERSTREAM_VRAM_GAP=lend
+    when there were any, and is as before otherwise."""
+    from layerstream.bench.report import budget_plans
+
+    stats = {"vram_budget_planned": 1, "ring_bytes": 2 << 20, "resident_layers": 3, "resident_bytes": 6 << 20,
+             "vram_budget_estimate": 4 << 20, "pressure_yields": 0, "pressure_yielded_bytes": 0}
+    row = {"mode": "layerstream", "status": "ok", "engine_stats": stats, "bytes_per_step": 4 << 20}
+    plain = budget_plans([row])
+    assert plain.endswith("yielded to memory pressure 0 time(s), 0.0 MiB")
+    row["engine_stats"] = dict(stats, gap_lends=2, gap_lent_bytes=5 << 20)
+    assert budget_plans([row]) == plain + "; lent between steps 2 time(s), 5.0 MiB"

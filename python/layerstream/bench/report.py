@@ -215,5 +215,7 @@ def budget_plans(rows: list[dict]) -> str:
             f"estimated {s.get('vram_budget_estimate', 0) / 2**20:.1f} MiB/step over the bus, measured "
             f"{'-' if measured is None else f'{measured / 2**20:.1f}'}"
             f"; yielded to memory pressure {s.get('pressure_yields', 0)} time(s), "
-            f"{s.get('pressure_yielded_bytes', 0) / 2**20:.1f} MiB")
+            f"{s.get('pressure_yielded_bytes', 0) / 2**20:.1f} MiB"
+            + (f"; lent between steps {s['gap_lends']} time(s), {s.get('gap_lent_bytes', 0) / 2**20:.1f} MiB"
+               if s.get("gap_lends") else ""))
     return "budget plans:\n" + "\n".join(lines) if lines else ""
