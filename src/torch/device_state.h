@@ -282,6 +282,12 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   std::unordered_set<LayerId> to_remake_;
   std::atomic<std::uint64_t> gap_lends_{0};
   std::atomic<std::uint64_t> gap_lent_bytes_{0};
+  // Gaps in a row that took the lent quarter back (reset by a step whose gap before it did not); at
+  // kLendsInARow lending stops and the budget plans again with the quarter left free (lend_stopped_ says so
+  // in that plan's warning).
+  static constexpr int kLendsInARow = 3;
+  std::atomic<int> lends_in_a_row_{0};
+  std::atomic<bool> lend_stopped_{false};
   std::atomic<bool> in_step_{false};                 // in_training_step()
   std::atomic<bool> step_began_{false};              // step_began_at_this_use()
   VramPeak vram_peak_ = VramPeak::kCycles;           // LAYERSTREAM_VRAM_PEAK

@@ -115,6 +115,14 @@ bool DeviceState::yield_for_pressure(std::size_t want, bool between_steps, std::
       to_remake_.insert(given.begin(), given.end());
       ++gap_lends_;
       gap_lent_bytes_ += lent;
+      if (++lends_in_a_row_ >= kLendsInARow) {
+        // Every gap asks for it (the optimizer's temporaries missing torch's cache each time, say): each step
+        // would copy the lent layers again and the allocator churn. Keep the quarter free instead.
+        headroom_.set_lend_gap(false);
+        lend_stopped_ = true;
+        pressure_between_steps_ = true;
+        pressure_pending_ = true;
+      }
       return true;
     }
   }
@@ -146,15 +154,21 @@ void DeviceState::note_backward_pass() {
 }
 
 std::string DeviceState::replan_after_pressure_locked() {
-  const std::string given = detail::concat("layerstream: an allocation of this process ",
-                                           pressure_between_steps_.load() ? "between training steps" : "inside a training step",
-                                           " found no room on ", describe(),
-                                           pressure_free_.load() != std::numeric_limits<std::size_t>::max()
-                                               ? detail::concat(" (", pressure_free_.load() / kMiB, " MiB free)")
-                                               : std::string(),
-                                           ": resident layers gave their memory back (",
-                                           pressure_yielded_bytes_.load() / kMiB, " MiB over ", pressure_yields_.load(),
-                                           " time(s) so far); they stream now");
+  const std::size_t free_then = pressure_free_.load();
+  const std::string given =
+      lend_stopped_.exchange(false)
+          ? detail::concat("layerstream: the gaps between training steps on ", describe(), " took back the quarter "
+                           "lent to resident layers ", kLendsInARow, " times in a row (", gap_lent_bytes_.load() / kMiB,
+                           " MiB over ", gap_lends_.load(), " time(s) so far): LAYERSTREAM_VRAM_GAP=lend stops, and "
+                           "the plan leaves the quarter free as the default does")
+          : detail::concat("layerstream: an allocation of this process ",
+                           pressure_between_steps_.load() ? "between training steps" : "inside a training step",
+                           " found no room on ", describe(),
+                           free_then != std::numeric_limits<std::size_t>::max()
+                               ? detail::concat(" (", free_then / kMiB, " MiB free)")
+                               : std::string(),
+                           ": resident layers gave their memory back (", pressure_yielded_bytes_.load() / kMiB,
+                           " MiB over ", pressure_yields_.load(), " time(s) so far); they stream now");
   if (!vram_budget_.enabled) return given;
   // Plan again from the next training steps, whose peak now includes what asked for the memory (when it is
   // still held); after a yield inside a step with more headroom each time, so that a process whose peak
@@ -253,7 +267,7 @@ DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer, bool fr
   // An autograd function's forward runs with grad mode off: its caller says whether grad was on
   // (GradForwardScope).
   const bool training = at::GradMode::is_enabled() || GradForwardScope::active();
-  if (training && step_began_) gap_lent_ = false;  // LAYERSTREAM_VRAM_GAP=lend: the next gap may lend again
+  if (training && step_began_ && !gap_lent_.exchange(false)) lends_in_a_row_ = 0;  // =lend: a gap that kept it
   if (training) remake_resident_locked(layer);     // lent to the last gap: used in a step again
   if (vram_budget_.enabled) {
     using Use = BudgetRecorder::Use;
@@ -423,6 +437,7 @@ std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) 
   plan_added_bytes_ = kept_bytes + (plan.ring_bytes > ring ? plan.ring_bytes - ring : 0);
   lendable_bytes_ = std::min(room.lent, kept_bytes);
   gap_lent_ = false;
+  lends_in_a_row_ = 0;
   to_remake_.clear();
   const std::string lend_note =
       lendable_bytes_.load() > 0

@@ -310,6 +310,38 @@ def test_lending_the_gaps_quarter_keeps_more_resident_and_gives_it_back_between_
         assert stats["resident_bytes"] == weights
 
 
+def test_lending_stops_when_every_gap_takes_the_quarter_back(engine, device, monkeypatch, caplog):
+    """LAYERSTREAM_VRAM_GAP=lend where every gap asks for more than is free (as the optimizer's temporaries
+    would if they missed torch's cache each time): each step would copy the lent layers again. After three
+    gaps in a row that took the quarter back, lending stops with a warning that says so, the budget plans
+    again leaving the quarter free as the default does, and no gap lends again. The losses stay the
+    all-resident run's."""
+    monkeypatch.setenv("LAYERSTREAM_VRAM_GAP", "lend")
+    steps = _inputs([6] * 14)
+    base, ref, managed, state = _on_a_small_card(engine, device, monkeypatch, steps)
+    lends = []
+
+    def between(step):
+        lends.append(state.stats()["gap_lends"])
+        if state.stats()["vram_budget_planned"]:
+            want = mm._testing.sim_device_free_bytes(state) + MiB // 2
+            if want <= 3 * MiB:  # within the quarter the default promises between steps
+                mm._testing.sim_device_free(state, mm._testing.sim_device_alloc(state, want))
+
+    with caplog.at_level(logging.INFO, logger="layerstream"):
+        losses = _train(managed, apply_lora(managed), device, steps, between)
+    assert losses == ref
+    stats = state.stats()
+    assert stats["gap_lends"] == 3 and stats["sim_races"] == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("took back the quarter lent to resident layers 3 times in a row" in m and
+               "LAYERSTREAM_VRAM_GAP=lend stops" in m for m in messages)
+    plans = [m for m in messages if "VRAM budget on" in m]
+    assert len(plans) == 2 and "(LAYERSTREAM_VRAM_GAP=lend)" in plans[0]
+    assert "a quarter is left free beside the headroom" in plans[1] and "lent" not in plans[1]
+    assert lends[-1] == 3
+
+
 @pytest.mark.parametrize("rule", ["peak", "start", "lend"])
 def test_random_allocations_between_and_inside_steps_under_delayed_streams_stay_exact(engine, device, monkeypatch,
                                                                                     rule):
