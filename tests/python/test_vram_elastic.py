@@ -310,6 +310,50 @@ def test_lending_the_gaps_quarter_keeps_more_resident_and_gives_it_back_between_
         assert stats["resident_bytes"] == weights
 
 
+def test_a_sample_after_the_gap_lent_its_quarter_streams_those_layers_and_the_next_step_takes_them_back(
+        engine, device, monkeypatch):
+    """LAYERSTREAM_VRAM_GAP=lend in a trainer's gap: the "user" takes the quarter (a sample's or a text
+    encoder's memory), then samples under no_grad with it held. The lent layers stream for the sample (a
+    pass without grad never takes their memory back), its output is the all-resident model's bit for bit,
+    and only the next training step copies them back in; every loss is the all-resident run's."""
+    monkeypatch.setenv("LAYERSTREAM_VRAM_GAP", "lend")
+    steps = _inputs([6] * 8)
+    base, ref, managed, state = _on_a_small_card(engine, device, monkeypatch, steps)
+    resident = copy.deepcopy(base)
+    probe = _inputs([6], seed=9)[0]
+    weights = _linear_bytes(base)
+    samples, seen = [], {}
+
+    def between(step):
+        if step == 3:
+            held = mm._testing.sim_device_alloc(state, mm._testing.sim_device_free_bytes(state) + MiB)
+            lent = state.stats()
+            with torch.no_grad():
+                samples.append(managed(probe.to(device)))
+            seen["after sample"] = state.stats()
+            mm._testing.sim_device_free(state, held)
+            seen["lent"] = lent
+        if step == 4:
+            seen["next step"] = state.stats()
+
+    losses = _train(managed, apply_lora(managed), device, steps, between)
+    assert losses == ref
+    # The all-resident twin trained the same steps: its sample after step 3 is the same computation.
+    ref_samples = []
+
+    def sample_resident(step):
+        if step == 3:
+            with torch.no_grad():
+                ref_samples.append(resident(probe.to(device)))
+
+    _train(resident, apply_lora(resident), device, steps, sample_resident)
+    assert torch.equal(samples[0], ref_samples[0])
+    assert seen["lent"]["gap_lends"] == 1 and seen["lent"]["resident_bytes"] < weights
+    assert seen["after sample"]["resident_bytes"] == seen["lent"]["resident_bytes"]  # the sample took none back
+    assert seen["next step"]["resident_bytes"] == weights and state.stats()["pressure_yields"] == 0
+    assert state.stats()["sim_races"] == 0
+
+
 def test_lending_stops_when_every_gap_takes_the_quarter_back(engine, device, monkeypatch, caplog):
     """LAYERSTREAM_VRAM_GAP=lend where every gap asks for more than is free (as the optimizer's temporaries
     would if they missed torch's cache each time): each step would copy the lent layers again. After three
