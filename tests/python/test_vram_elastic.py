@@ -581,3 +581,64 @@ def test_resident_layers_give_memory_back_to_a_torch_allocation_on_the_gpu(engin
         clear_device_states()
         torch.cuda.set_per_process_memory_fraction(old_fraction, device)
         torch.cuda.empty_cache()
+
+
+def test_the_lent_quarter_goes_back_to_a_torch_allocation_between_steps_on_the_gpu(engine, device, monkeypatch,
+                                                                                  caplog):
+    """LAYERSTREAM_VRAM_GAP=lend under a memory fraction tight enough that the default's quarter would keep
+    some layers streaming: the plan lends that quarter to resident layers. Between two steps the user then
+    asks for more than is free: torch's allocator runs layerstream's callback, which gives the lent layers
+    back (without a new plan), and the tensor is made instead of an out-of-memory error. The losses stay the
+    all-resident run's."""
+    _gpu_or_skip(engine)
+    device = torch.device("cuda", torch.cuda.current_device())
+    monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "auto")
+    monkeypatch.setenv("LAYERSTREAM_VRAM_GAP", "lend")
+    base = TinyTransformer(d=1024, ff=4096, layers=8, checkpointing="non_reentrant").requires_grad_(False)
+    weights = _linear_bytes(base)
+    resident = copy.deepcopy(base).to(device)
+    xs = _inputs([64] * 8, d=1024, seed=3)
+
+    def run(model, between=lambda step: None):
+        return _train(model, [lo.to(device) for lo in apply_lora(model)], device, xs, between, lr=1e-3)
+
+    ref = run(resident)
+    del resident
+    clear_device_states()
+    gc.collect()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    baseline = torch.cuda.memory_reserved(device)
+    # Every layer, the ring and the activations (512 MiB) fit at 90% of the cap; under the default's quarter
+    # between steps (and 5% headroom) some could not.
+    cap = (baseline + weights + 512 * MiB) * 10 // 9
+    old_fraction = torch.cuda.get_per_process_memory_fraction(device)
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    held = []
+    try:
+        managed = copy.deepcopy(base)
+        ContractManager.attach(mm, managed, device).to_device()
+        state = mm._DEVICE_STATE[device]
+
+        def between(step):
+            if step == 3:
+                assert state.stats()["vram_budget_planned"] == 1
+                driver_free, _ = torch.cuda.mem_get_info(device)
+                cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+                free = min(driver_free + cached, cap - torch.cuda.memory_allocated(device))
+                held.append(torch.empty(free + 64 * MiB, dtype=torch.uint8, device=device))  # beyond what is free
+            if step == 4:
+                held.clear()
+
+        with caplog.at_level(logging.INFO, logger="layerstream"):
+            losses = run(managed, between)
+        assert losses == ref
+        stats = state.stats()
+        assert stats["gap_lends"] + stats["pressure_yields"] >= 1, stats
+        plans = [r.getMessage() for r in caplog.records if "VRAM budget on" in r.getMessage()]
+        assert "(LAYERSTREAM_VRAM_GAP=lend)" in plans[0]
+    finally:
+        held.clear()
+        clear_device_states()
+        torch.cuda.set_per_process_memory_fraction(old_fraction, device)
+        torch.cuda.empty_cache()
