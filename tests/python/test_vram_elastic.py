@@ -8,11 +8,13 @@ device before attach (as AI-Toolkit's flux2_model.py does), an earlier peak, the
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import logging
 import random
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -521,10 +523,12 @@ def test_an_earlier_peak_on_the_gpu_does_not_shrink_the_budget(engine, device, m
     assert torch.cuda.max_memory_allocated(device) >= 2048 * MiB  # the application's own peak is untouched
 
 
-def test_resident_layers_give_memory_back_to_a_torch_allocation_on_the_gpu(engine, device, monkeypatch, caplog):
-    """Under a memory fraction the card is full of resident layers after the plan; a tensor the user then
-    allocates gets their memory (torch's allocator runs layerstream's free-memory callback) instead of an
-    out-of-memory error, the budget plans again, and the losses stay the all-resident run's."""
+@contextlib.contextmanager
+def _on_a_capped_gpu(engine, monkeypatch, share):
+    """A LoRA model of 48 float32 layers (384 MiB) and its all-resident run's losses, then a memory fraction
+    whose `share` holds what earlier tests of this process still hold, every layer, and 512 MiB for the ring
+    and the activations, and a managed twin attached under it (`auto` budget). Yields what the test needs,
+    with `held` for the user's tensors: they are dropped and the fraction restored after."""
     _gpu_or_skip(engine)
     device = torch.device("cuda", torch.cuda.current_device())  # the memory fraction wants an index
     monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "auto")
@@ -544,43 +548,51 @@ def test_resident_layers_give_memory_back_to_a_torch_allocation_on_the_gpu(engin
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
     baseline = torch.cuda.memory_reserved(device)  # what earlier tests of this process still hold
-    # Room for what the process holds, every layer, the ring and the activations, where the plan may put them:
-    # between steps it leaves a quarter of the cap and the headroom (5%) free. (A cap of baseline + weights +
-    # 512 MiB passed alone and failed in the whole GPU suite, 2026-12-02, where earlier tests held 1.28 GiB: its
-    # quarter then left room for 28 of the 48 layers.)
-    cap = (baseline + weights + 512 * MiB) * 10 // 7
+    cap = int((baseline + weights + 512 * MiB) / share)
     old_fraction = torch.cuda.get_per_process_memory_fraction(device)
     torch.cuda.set_per_process_memory_fraction(cap / total, device)
     held = []
     try:
         managed = copy.deepcopy(base)
         ContractManager.attach(mm, managed, device).to_device()
-        state = mm._DEVICE_STATE[device]
-
-        def between(step):
-            if step == 3:
-                resident_bytes = state.stats()["resident_bytes"]
-                assert resident_bytes > weights // 2, (resident_bytes, weights, baseline, cap)
-                # The user fills the card: first all but an eighth of what is left (torch's cache of the step's
-                # activations serves it, or the allocator asks the driver), then more than that eighth, which
-                # fits only in the resident layers' memory. (One allocation of weights // 2 fitted in the
-                # cached activations on the H200 and nothing was given back: the test proved nothing.)
-                room = cap - torch.cuda.memory_allocated(device)
-                held.append(torch.empty(max(room - cap // 8, 1), dtype=torch.uint8, device=device))
-                held.append(torch.empty(cap // 8 + resident_bytes // 2, dtype=torch.uint8, device=device))
-            if step == 6:
-                held.clear()
-
-        with caplog.at_level(logging.INFO, logger="layerstream"):
-            losses = run(managed, between)
-        assert losses == ref
-        assert state.stats()["pressure_yields"] >= 1
-        assert any("found no room" in r.getMessage() for r in caplog.records)
+        yield SimpleNamespace(device=device, weights=weights, ref=ref, run=run, cap=cap, baseline=baseline,
+                              managed=managed, state=mm._DEVICE_STATE[device], held=held)
     finally:
         held.clear()
         clear_device_states()
         torch.cuda.set_per_process_memory_fraction(old_fraction, device)
         torch.cuda.empty_cache()
+
+
+def test_resident_layers_give_memory_back_to_a_torch_allocation_on_the_gpu(engine, device, monkeypatch, caplog):
+    """Under a memory fraction the card is full of resident layers after the plan; a tensor the user then
+    allocates gets their memory (torch's allocator runs layerstream's free-memory callback) instead of an
+    out-of-memory error, the budget plans again, and the losses stay the all-resident run's."""
+    # The plan leaves a quarter of the cap and the headroom (5%) free between steps: 70% of the cap holds the
+    # rest. (A cap of what the process held, the weights and 512 MiB passed alone and failed in the whole GPU
+    # suite, 2026-12-02, where earlier tests held 1.28 GiB: its quarter then left room for 28 of 48 layers.)
+    with _on_a_capped_gpu(engine, monkeypatch, share=0.7) as gpu:
+        state, cap, weights, held = gpu.state, gpu.cap, gpu.weights, gpu.held
+
+        def between(step):
+            if step == 3:
+                resident_bytes = state.stats()["resident_bytes"]
+                assert resident_bytes > weights // 2, (resident_bytes, weights, gpu.baseline, cap)
+                # The user fills the card: first all but an eighth of what is left (torch's cache of the step's
+                # activations serves it, or the allocator asks the driver), then more than that eighth, which
+                # fits only in the resident layers' memory. (One allocation of weights // 2 fitted in the
+                # cached activations on the H200 and nothing was given back: the test proved nothing.)
+                room = cap - torch.cuda.memory_allocated(gpu.device)
+                held.append(torch.empty(max(room - cap // 8, 1), dtype=torch.uint8, device=gpu.device))
+                held.append(torch.empty(cap // 8 + resident_bytes // 2, dtype=torch.uint8, device=gpu.device))
+            if step == 6:
+                held.clear()
+
+        with caplog.at_level(logging.INFO, logger="layerstream"):
+            losses = gpu.run(gpu.managed, between)
+        assert losses == gpu.ref
+        assert state.stats()["pressure_yields"] >= 1
+        assert any("found no room" in r.getMessage() for r in caplog.records)
 
 
 def test_the_lent_quarter_goes_back_to_a_torch_allocation_between_steps_on_the_gpu(engine, device, monkeypatch,
@@ -590,55 +602,25 @@ def test_the_lent_quarter_goes_back_to_a_torch_allocation_between_steps_on_the_g
     asks for more than is free: torch's allocator runs layerstream's callback, which gives the lent layers
     back (without a new plan), and the tensor is made instead of an out-of-memory error. The losses stay the
     all-resident run's."""
-    _gpu_or_skip(engine)
-    device = torch.device("cuda", torch.cuda.current_device())
-    monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "auto")
     monkeypatch.setenv("LAYERSTREAM_VRAM_GAP", "lend")
-    base = TinyTransformer(d=1024, ff=4096, layers=8, checkpointing="non_reentrant").requires_grad_(False)
-    weights = _linear_bytes(base)
-    resident = copy.deepcopy(base).to(device)
-    xs = _inputs([64] * 8, d=1024, seed=3)
-
-    def run(model, between=lambda step: None):
-        return _train(model, [lo.to(device) for lo in apply_lora(model)], device, xs, between, lr=1e-3)
-
-    ref = run(resident)
-    del resident
-    clear_device_states()
-    gc.collect()
-    torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(device).total_memory
-    baseline = torch.cuda.memory_reserved(device)
-    # Every layer, the ring and the activations (512 MiB) fit at 90% of the cap; under the default's quarter
-    # between steps (and 5% headroom) some could not.
-    cap = (baseline + weights + 512 * MiB) * 10 // 9
-    old_fraction = torch.cuda.get_per_process_memory_fraction(device)
-    torch.cuda.set_per_process_memory_fraction(cap / total, device)
-    held = []
-    try:
-        managed = copy.deepcopy(base)
-        ContractManager.attach(mm, managed, device).to_device()
-        state = mm._DEVICE_STATE[device]
+    # Every layer, the ring and the activations fit in 90% of the cap; beside the default's quarter some could not.
+    with _on_a_capped_gpu(engine, monkeypatch, share=0.9) as gpu:
+        state, cap, held = gpu.state, gpu.cap, gpu.held
 
         def between(step):
             if step == 3:
                 assert state.stats()["vram_budget_planned"] == 1
-                driver_free, _ = torch.cuda.mem_get_info(device)
-                cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-                free = min(driver_free + cached, cap - torch.cuda.memory_allocated(device))
-                held.append(torch.empty(free + 64 * MiB, dtype=torch.uint8, device=device))  # beyond what is free
+                driver_free, _ = torch.cuda.mem_get_info(gpu.device)
+                allocated = torch.cuda.memory_allocated(gpu.device)
+                free = min(driver_free + torch.cuda.memory_reserved(gpu.device) - allocated, cap - allocated)
+                held.append(torch.empty(free + 64 * MiB, dtype=torch.uint8, device=gpu.device))  # beyond it
             if step == 4:
                 held.clear()
 
         with caplog.at_level(logging.INFO, logger="layerstream"):
-            losses = run(managed, between)
-        assert losses == ref
+            losses = gpu.run(gpu.managed, between)
+        assert losses == gpu.ref
         stats = state.stats()
         assert stats["gap_lends"] + stats["pressure_yields"] >= 1, stats
         plans = [r.getMessage() for r in caplog.records if "VRAM budget on" in r.getMessage()]
         assert "(LAYERSTREAM_VRAM_GAP=lend)" in plans[0]
-    finally:
-        held.clear()
-        clear_device_states()
-        torch.cuda.set_per_process_memory_fraction(old_fraction, device)
-        torch.cuda.empty_cache()
