@@ -303,6 +303,16 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
     std::string pressure_report;      // what a yield to memory pressure did (logged)
   };
   UseOutcome observe_and_prefetch(LayerId layer, bool fresh_each_use);  // takes mu_
+  // After resident copies were given back (`freed` bytes; `free_bytes` free then, SIZE_MAX: not known):
+  // counts them, and nothing more is given back until the budget plans again (request_replan). Caller holds
+  // mu_ (as yield_for_pressure does).
+  void note_yield(std::size_t freed, bool between_steps, std::size_t free_bytes);
+  // The budget plans again at the next layer call; `between_steps`: the reason came from outside a training
+  // step (the headroom stays), unless a yield inside one is pending already.
+  void request_replan(bool between_steps);
+  // Drops the budget's plan (the recorder, the layers planned for a rebuilt engine, what the gap may lend):
+  // it is made again from the next training steps. Caller holds mu_.
+  void forget_plan_locked();
   // LAYERSTREAM_VRAM_GAP=lend: a layer the last gap took back becomes resident again (at its use or its copy
   // ahead of need in a training step); nothing for any other layer. Caller holds mu_.
   void remake_resident_locked(LayerId layer);

@@ -120,23 +120,30 @@ bool DeviceState::yield_for_pressure(std::size_t want, bool between_steps, std::
         // would copy the lent layers again and the allocator churn. Keep the quarter free instead.
         headroom_.set_lend_gap(false);
         lend_stopped_ = true;
-        pressure_between_steps_ = true;
-        pressure_pending_ = true;
+        request_replan(/*between_steps=*/true);
       }
       return true;
     }
   }
   const std::size_t freed = engine_->yield_resident(want);
   if (freed == 0) return false;
+  note_yield(freed, between_steps, free_bytes);
+  return true;
+}
+
+void DeviceState::note_yield(std::size_t freed, bool between_steps, std::size_t free_bytes) {
   ++pressure_yields_;
   pressure_yielded_bytes_ += freed;
   pressure_free_ = free_bytes;
   pressure_threshold_ = 0;  // until the next plan: nothing more to give back
   gap_pressure_threshold_ = 0;
+  request_replan(between_steps);
+}
+
+void DeviceState::request_replan(bool between_steps) {
   // A yield inside a step says the plan left too little; one between steps says nothing about the plan.
   if (!pressure_pending_ || !between_steps) pressure_between_steps_ = between_steps;
   pressure_pending_ = true;
-  return true;
 }
 
 void DeviceState::note_backward_pass() {
@@ -175,12 +182,8 @@ std::string DeviceState::replan_after_pressure_locked() {
   // keeps growing does not yield at every step. A yield between steps (a sample, the user's tensors) keeps
   // the headroom: the next plan measures the step again.
   headroom_.after_yield(pressure_between_steps_.exchange(false), vram_peak_ == VramPeak::kCycles);
-  recorder_.unplan();
-  plan_deferred_ = false;
-  planned_resident_.clear();
+  forget_plan_locked();
   budget_room_ = 0;
-  lendable_bytes_ = 0;
-  to_remake_.clear();
   const std::size_t least = ring_bytes_for(largest_attached_.load());
   const bool shrink = !ring_fixed_ && engine_->ring_capacity() > least;
   if (shrink) {  // the plan's deeper ring goes back to the least at the next call with no layer in use
@@ -251,10 +254,7 @@ DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer, bool fr
     if (keep_plan_) {
       recorder_.restart();
     } else {
-      recorder_.unplan();  // a rebuilt engine: plan its layers again
-      plan_deferred_ = false;
-      planned_resident_.clear();
-      lendable_bytes_ = 0;
+      forget_plan_locked();  // a rebuilt engine: plan its layers again
     }
     keep_plan_ = false;
   }
@@ -312,6 +312,14 @@ DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer, bool fr
   return out;
 }
 
+void DeviceState::forget_plan_locked() {
+  recorder_.unplan();
+  plan_deferred_ = false;
+  planned_resident_.clear();
+  lendable_bytes_ = 0;
+  to_remake_.clear();
+}
+
 void DeviceState::remake_resident_locked(LayerId layer) {
   if (to_remake_.empty() || to_remake_.erase(layer) == 0) return;
   bool made = true;
@@ -325,12 +333,8 @@ void DeviceState::remake_resident_locked(LayerId layer) {
   // yield between steps, the rest goes back too and the budget plans again from the steps that hold it (a
   // failed try at every use would cost torch's allocator its whole out-of-memory path each time).
   to_remake_.clear();
-  const std::size_t freed = engine_->yield_resident(std::numeric_limits<std::size_t>::max());
-  ++pressure_yields_;
-  pressure_yielded_bytes_ += freed;
-  pressure_free_ = std::numeric_limits<std::size_t>::max();
-  pressure_between_steps_ = true;
-  pressure_pending_ = true;
+  const std::size_t unknown = std::numeric_limits<std::size_t>::max();
+  note_yield(engine_->yield_resident(unknown), /*between_steps=*/true, unknown);
 }
 
 void DeviceState::consider_residency(TransferEngine& engine, LayerId layer, std::size_t bytes) {
