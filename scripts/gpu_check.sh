@@ -521,7 +521,10 @@ if want mem; then
   fi
   # AI-Toolkit's flow: the model on the GPU before attach, a 9.5 GiB encoder made and freed, a sample before the
   # first step and every 4, steps cycling through three buckets; the cap set after the model is placed.
-  FLOW=(--preset flux1 --aitk-flow --vram-cap-gb 24 --warmup 3 --steps 6)
+  # LAYERSTREAM_MEM_STEPS="W S": the FLUX.1 flow rows' warmup and timed steps (default "3 6"; the timed steps
+  # cycle through the three buckets, so a multiple of 3 compares like with like).
+  read -r MW MS <<<"${LAYERSTREAM_MEM_STEPS:-3 6}"
+  FLOW=(--preset flux1 --aitk-flow --vram-cap-gb 24 --warmup "$MW" --steps "$MS")
   if [[ $MRUNS == *,flow,* ]]; then
     # The all-resident model does not fit the cap in this flow (seen 2026-12-01: out of memory, 8.6 GiB of
     # the placement's blocks cached under the fraction): its reference runs the same flow uncapped.
@@ -536,7 +539,7 @@ if want mem; then
   fi
   if [[ $MRUNS == *,flowres,* ]]; then
     step "AI-Toolkit's flow: all-resident uncapped (the reference)"
-    flux mem_flux1_flow_resident --preset flux1 --aitk-flow --warmup 3 --steps 6 --mode resident
+    flux mem_flux1_flow_resident --preset flux1 --aitk-flow --warmup "$MW" --steps "$MS" --mode resident
   fi
   if [[ $MRUNS == *,detflow,* ]]; then
     # Bitwise losses in the flow (issue 20): deterministic kernels (attention's backward otherwise accumulates in

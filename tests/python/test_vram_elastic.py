@@ -599,28 +599,36 @@ def test_the_lent_quarter_goes_back_to_a_torch_allocation_between_steps_on_the_g
                                                                                   caplog):
     """LAYERSTREAM_VRAM_GAP=lend under a memory fraction tight enough that the default's quarter would keep
     some layers streaming: the plan lends that quarter to resident layers. Between two steps the user then
-    asks for more than is free: torch's allocator runs layerstream's callback, which gives the lent layers
-    back (without a new plan), and the tensor is made instead of an out-of-memory error. The losses stay the
-    all-resident run's."""
+    leaves less than a quarter of the cap free and asks for more than that: torch's allocator runs
+    layerstream's callback, which gives the lent layers back (the lend path, not a yield of everything), and
+    the tensor is made instead of an out-of-memory error. The losses stay the all-resident run's."""
     monkeypatch.setenv("LAYERSTREAM_VRAM_GAP", "lend")
     # Every layer, the ring and the activations fit in 90% of the cap; beside the default's quarter some could not.
     with _on_a_capped_gpu(engine, monkeypatch, share=0.9) as gpu:
         state, cap, held = gpu.state, gpu.cap, gpu.held
+        made = []
 
         def between(step):
             if step == 3:
-                assert state.stats()["vram_budget_planned"] == 1
-                driver_free, _ = torch.cuda.mem_get_info(gpu.device)
-                allocated = torch.cuda.memory_allocated(gpu.device)
-                free = min(driver_free + torch.cuda.memory_reserved(gpu.device) - allocated, cap - allocated)
-                held.append(torch.empty(free + 64 * MiB, dtype=torch.uint8, device=gpu.device))  # beyond it
-            if step == 4:
-                held.clear()
+                stats = state.stats()
+                assert stats["vram_budget_planned"] == 1 and stats["gap_lends"] == 0, stats
+                # Between steps the lent layers go back when an allocation misses torch's cache and finds less
+                # than a quarter of the cap free; with more free than that, an allocation beyond it is beyond
+                # what either gap rule promises (the H200, 2026-12-02: asking for all that was free and 64 MiB
+                # more, with 547 MiB of a 1071 MiB cap free, ran out of memory in both). So the user first
+                # leaves an eighth of the cap free, then asks for 64 MiB more than that eighth.
+                room = cap - torch.cuda.memory_allocated(gpu.device)
+                if room > cap // 4:
+                    held.append(torch.empty(room - cap // 8, dtype=torch.uint8, device=gpu.device))
+                    room = cap // 8
+                assert state.stats()["gap_lends"] == 0  # the filler found a quarter free
+                held.append(torch.empty(room + 64 * MiB, dtype=torch.uint8, device=gpu.device))
+                made.append(state.stats()["gap_lends"])
+                held.clear()  # the user's tensors were a sample's, say: freed before the next step
 
         with caplog.at_level(logging.INFO, logger="layerstream"):
             losses = gpu.run(gpu.managed, between)
         assert losses == gpu.ref
-        stats = state.stats()
-        assert stats["gap_lends"] + stats["pressure_yields"] >= 1, stats
+        assert made == [1]  # the allocation was made, by the lend
         plans = [r.getMessage() for r in caplog.records if "VRAM budget on" in r.getMessage()]
-        assert "(LAYERSTREAM_VRAM_GAP=lend)" in plans[0]
+        assert "(LAYERSTREAM_VRAM_GAP=lend)" in plans[0] and "in the quarter lent between steps" in plans[0], plans
