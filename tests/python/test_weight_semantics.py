@@ -168,6 +168,41 @@ def test_double_backward_matches_the_unmanaged_model(engine, device, monkeypatch
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, expected))
 
 
+@pytest.mark.parametrize("trainable", [True, False], ids=["full", "frozen"])
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_autocast_matches_the_unmanaged_model(engine, device, monkeypatch, kind, trainable):
+    """float32 weights called under torch.autocast(bfloat16), as an Accelerator with mixed precision runs
+    AI-Toolkit's forward: a managed layer casts as upstream's linear and conv do (bfloat16 outputs, float32
+    weight gradients), bit for bit, and a layer called under autocast(enabled=False) inside it stays float32."""
+    deterministic_cudnn(engine, monkeypatch)
+    torch.manual_seed(7)
+    if kind == "linear":
+        ref = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 16))
+        x = torch.randn(3, 5, 32)
+    else:
+        ref = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.GELU(), torch.nn.Conv2d(8, 4, 3))
+        x = torch.randn(2, 3, 9, 9)
+    ref.requires_grad_(trainable)
+    managed = attached(copy.deepcopy(ref), device)
+    ref = ref.to(device)
+    results = []
+    for model in (ref, managed):
+        inp = x.to(device).requires_grad_(True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            hidden = model[1](model[0](inp))
+            with torch.autocast(device.type, enabled=False):
+                exact = model[2](hidden.float())
+            out = model[2](hidden)
+        assert (hidden.dtype, out.dtype, exact.dtype) == (torch.bfloat16, torch.bfloat16, torch.float32)
+        (out.float().square().mean() + exact.square().mean()).backward()
+        mm.sync_grad_transfers()
+        grads = [p.grad for p in model.parameters()]
+        assert all((g is None) != trainable for g in grads)
+        assert all(g.dtype == torch.float32 for g in grads if g is not None)
+        results.append([out, exact, inp.grad] + [g for g in grads if g is not None])
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(*results))
+
+
 # ---- item 5: replaced weights, unbatched conv, tied weights, inference tensors -------------------------
 
 def test_a_weight_replaced_before_the_backward_is_the_forwards_or_refused(engine, device):
