@@ -154,6 +154,9 @@ race_hazards() { grep -c "access at" "$1"; }
 race_hazards_outside_cudnn() { grep "access at" "$1" | grep -vc "_cudnn"; }
 summarize_rows() {  # summarize_rows MD LABEL
   grep -E "^\| (resident|stock|layerstream)" "$1" 2>/dev/null | sed "s/^/      $2 /" >>"$OUT/summary.txt"
+  # torch's allocator in the timed steps (retries: the steps ran against the cap), one line per row.
+  sed -n "/^torch's allocator in the timed steps:/,/^\$/p" "$1" 2>/dev/null | grep -E "^  " \
+    | sed "s/^  /      $2 allocator: /" >>"$OUT/summary.txt"
 }
 # One flux_bench.py run on AI-Toolkit's manager (the first checkout of AI_TOOLKIT_DIR) as step NAME: its
 # table and JSON as $OUT/NAME.md and $OUT/NAME.json, its result rows into the summary. Leading VAR=VALUE

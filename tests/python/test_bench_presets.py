@@ -113,3 +113,18 @@ def test_the_budget_line_says_what_was_lent_between_steps_only_where_something_w
     assert plain.endswith("yielded to memory pressure 0 time(s), 0.0 MiB")
     row["engine_stats"] = dict(stats, gap_lends=2, gap_lent_bytes=5 << 20)
     assert budget_plans([row]) == plain + "; lent between steps 2 time(s), 5.0 MiB"
+
+
+def test_the_allocator_line_sums_the_timed_steps_and_lists_each_steps_retries():
+    """bench.report.allocator_churn: one line per CUDA row with torch's allocator counters over the timed steps
+    (Trainer.run records them per step); nothing for a row without them (CPU) or a failed one."""
+    from layerstream.bench.report import allocator_churn
+
+    steps = [{"num_alloc_retries": 0, "num_device_alloc": 2, "num_device_free": 1, "num_ooms": 0},
+             {"num_alloc_retries": 3, "num_device_alloc": 5, "num_device_free": 4, "num_ooms": 0}]
+    rows = [{"mode": "layerstream", "status": "ok", "allocator_per_step": steps},
+            {"mode": "resident", "status": "ok", "allocator_per_step": None},
+            {"mode": "stock", "status": "oom: out of device memory", "allocator_per_step": steps}]
+    assert allocator_churn(rows) == ("torch's allocator in the timed steps:\n  layerstream: 3 retries, 7 cudaMalloc, "
+                                     "5 cudaFree over 2 timed steps (retries per step: 0, 3)")
+    assert allocator_churn(rows[1:2]) == ""

@@ -153,6 +153,27 @@ def phase_split(model, inputs, optimizer, sync_grads, device, stats) -> dict:
             "forward_bytes": b1 - b0 if both else None, "backward_bytes": b2 - b1 if both else None}
 
 
+# torch's caching allocator's counters that say whether a step ran against the memory limit: a retry is an
+# allocation that found no cached block and no room below the limit, so the allocator freed its cache
+# (synchronizing the device) and tried again; device allocs and frees are cudaMalloc and cudaFree calls.
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")
+
+
+def allocator_counters(device: torch.device) -> dict | None:
+    """ALLOCATOR_COUNTERS now (cumulative), None off CUDA."""
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTERS}
+
+
+def allocator_delta(before: dict | None, after: dict | None) -> dict | None:
+    """What the allocator did between two allocator_counters() readings."""
+    if before is None or after is None:
+        return None
+    return {k: after[k] - before[k] for k in ALLOCATOR_COUNTERS}
+
+
 def _timed(step, device: torch.device):
     """step() between two device synchronizations: (its result, wall seconds)."""
     _sync(device)

@@ -177,6 +177,10 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
     if plans:
         print(plans)
         losses += "\n\n" + plans
+    churn = allocator_churn(rows)
+    if churn:
+        print(churn)
+        losses += "\n\n" + churn
     sweeps = "\n".join(
         f"  {r['mode']}, decode blocks {x['decode_blocks'] or 'all'}: {x['s_per_step_mean']:.3f} s/step (min "
         f"{x['s_per_step_min']:.3f}), forward {x['phases']['forward_s']:.3f} s, backward {x['phases']['backward_s']:.3f} s"
@@ -219,3 +223,21 @@ def budget_plans(rows: list[dict]) -> str:
             + (f"; lent between steps {s['gap_lends']} time(s), {s.get('gap_lent_bytes', 0) / 2**20:.1f} MiB"
                if s.get("gap_lends") else ""))
     return "budget plans:\n" + "\n".join(lines) if lines else ""
+
+
+def allocator_churn(rows: list[dict]) -> str:
+    """One line per CUDA row: what torch's caching allocator did in the timed steps. Retries (an allocation
+    that found no cached block and no room under the limit, so the allocator freed its cache, synchronizing the
+    device, and tried again) say the steps ran against the cap, which costs time the bytes over the bus do not
+    explain."""
+    lines = []
+    for r in rows:
+        per_step = r.get("allocator_per_step") if r.get("status") == "ok" else None
+        if not per_step:
+            continue
+        total = {k: sum(step[k] for step in per_step) for k in per_step[0]}
+        lines.append(
+            f"  {label(r)}: {total['num_alloc_retries']} retries, {total['num_device_alloc']} cudaMalloc, "
+            f"{total['num_device_free']} cudaFree over {len(per_step)} timed steps (retries per step: "
+            f"{', '.join(str(step['num_alloc_retries']) for step in per_step)})")
+    return "torch's allocator in the timed steps:\n" + "\n".join(lines) if lines else ""

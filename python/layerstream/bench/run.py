@@ -196,6 +196,7 @@ def _run_mode(args, mode: str, device: torch.device) -> dict:
         # The peak from the attach on (None where the platform cannot reset the peak: then peak_rss_bytes only).
         "peak_rss_from_attach_bytes": peak_rss_since_reset_bytes(),
         "lossless_pack_times": _lossless_pack_times() if mode == "layerstream" else None,
+        "allocator_per_step": steps.allocator,
     }
     if sweep is not None:
         row["decode_blocks_sweep"] = sweep

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .measure import GiB, _Nvml, _sync, _timed, phase_split
+from .measure import GiB, _Nvml, _sync, _timed, allocator_counters, allocator_delta, phase_split
 from .presets import DTYPE
 from .timeline import profile_timeline
 
@@ -28,6 +28,9 @@ class Steps:
     sample_bytes: float = 0.0
     samples: int = 0
     sample_wait_us: float = 0.0
+    # torch's allocator in each timed step (measure.ALLOCATOR_COUNTERS; None off CUDA): retries mean the step
+    # ran against the memory limit and the allocator emptied its cache to go on.
+    allocator: list | None = None
 
 
 class Trainer:
@@ -80,6 +83,7 @@ class Trainer:
         energy_start = None
         user_memory = []  # --user-alloc-gb: what "the user" holds on the device between some steps
         sample_bytes, sample_wait_us, samples = 0.0, 0.0, 0  # --aitk-flow's samples in the timed window (Steps)
+        allocator = []  # torch's allocator in each timed step (Steps.allocator)
         if args.aitk_flow:
             self.sample()  # AI-Toolkit samples before its first step by default
         for step in range(args.warmup + args.steps):
@@ -96,12 +100,18 @@ class Trainer:
             _sync(device)
             if step == args.warmup and nvml is not None:
                 energy_start = nvml.energy_mj()
+            counted = allocator_counters(device)
             loss, elapsed = _timed(self.one_step, device)
             losses.append(loss.item())
+            did = allocator_delta(counted, allocator_counters(device))
             if step >= args.warmup:
                 times.append(elapsed)
+                if did is not None:
+                    allocator.append(did)
+            churn = (f", allocator: {did['num_alloc_retries']} retries, {did['num_device_alloc']} cudaMalloc, "
+                     f"{did['num_device_free']} cudaFree" if did else "")
             print(f"[{mode}] step {step}{' (warmup)' if step < args.warmup else ''}: {elapsed:.3f} s, "
-                  f"loss {losses[-1]:.6g}", flush=True)
+                  f"loss {losses[-1]:.6g}{churn}", flush=True)
             if args.aitk_flow and args.sample_every and (step + 1) % args.sample_every == 0:
                 # After the first timed step the counters run until the end: a sample's copies are counted
                 # apart from the steps'.
@@ -121,7 +131,7 @@ class Trainer:
         joules_per_step = ((energy_end - energy_start) / 1e3 / len(times)
                            if energy_start is not None and energy_end is not None else None)
         return Steps(losses, times, stats_at_start, stats_end, joules_per_step, sample_bytes, samples,
-                     sample_wait_us)
+                     sample_wait_us, allocator if device.type == "cuda" else None)
 
     def decode_blocks_sweep(self, mode: str) -> list[dict] | None:
         """--decode-blocks-sweep: after the timed steps, the same model again at each limit on the lossless
