@@ -35,7 +35,7 @@
 #   mem    memory first: FLUX.1 100% streamed stock vs layerstream's default ring; AI-Toolkit's flow (model on the
 #          GPU before attach, an encoder freed, samples, buckets) under 24 GiB: resident, layerstream auto, stock at
 #          0.5, and layerstream auto with 4 GiB taken by the user between steps (LAYERSTREAM_MEM_RUNS picks;
-#          also detflow, detflowll (detflow with LAYERSTREAM_HOST_DTYPE=lossless), flownp (the flow without the earlier peak: attached from the host, no encoder), flow2, flow2np,
+#          also detflow, detflowll (detflow with LAYERSTREAM_HOST_DTYPE=lossless), detflow2ll (the same on FLUX.2), flownp (the flow without the earlier peak: attached from the host, no encoder), flow2, flow2np,
 #          and flowcyc/flow2cyc/pressurecyc: FLUX.1/FLUX.2 flow with LAYERSTREAM_VRAM_PEAK=cycles,
 #          flowcycll/flow2cycll: the same with LAYERSTREAM_HOST_DTYPE=lossless; flow, flow2, pressure and detflow
 #          run the default measure: cycles since 40c26cb, window before; flow2start/flowstart/pressurestart: flow2,
@@ -517,7 +517,7 @@ if want mem; then
   # detflow (default: min, flow, flowres, stockflow, pressure);
   # about 2, 2.5, 1.5 and 1.5 minutes.
   ensure_installed
-  pick_runs mem "${LAYERSTREAM_MEM_RUNS:-min,flow,flowres,stockflow,pressure}" "flow flowres stockflow min flownp detflow detflowll pressure flowcyc flow2cyc pressurecyc flowcycll flow2cycll flow2np flow2 flow2side flow2start flowstart pressurestart flow2lend flowlend pressurelend"; MRUNS=$PICKED
+  pick_runs mem "${LAYERSTREAM_MEM_RUNS:-min,flow,flowres,stockflow,pressure}" "flow flowres stockflow min flownp detflow detflowll detflow2ll pressure flowcyc flow2cyc pressurecyc flowcycll flow2cycll flow2np flow2 flow2side flow2start flowstart pressurestart flow2lend flowlend pressurelend"; MRUNS=$PICKED
   if [[ $MRUNS == *,min,* ]]; then
     step "FLUX.1 100% streamed: stock vs layerstream's default (min), peak VRAM side by side"
     flux mem_flux1_min --preset flux1 --mode stock,layerstream --warmup 2 --steps 3
@@ -562,6 +562,15 @@ if want mem; then
     flux mem_flux1_det_lossless LAYERSTREAM_VRAM_BUDGET=auto --preset flux1 --aitk-flow --vram-cap-gb 24 --warmup 2 \
       --steps 3 --mode layerstream --deterministic --host-dtype lossless
     compare_losses "$OUT/mem_flux1_det_resident.json" "$OUT/mem_flux1_det_lossless.json"
+  fi
+  if [[ $MRUNS == *,detflow2ll,* ]]; then
+    # Issue 21's bitwise losses on FLUX.2-shaped: all-resident uncapped (about 69 GiB) against layerstream auto,
+    # lossless, under 24 GiB, deterministic kernels, in the flow (about 5 minutes).
+    step "AI-Toolkit's flow, FLUX.2-shaped, deterministic kernels: all-resident uncapped against layerstream auto, lossless, under 24 GiB"
+    flux mem_flux2_det_resident --preset flux2 --aitk-flow --warmup 2 --steps 3 --mode resident --deterministic
+    flux mem_flux2_det_lossless LAYERSTREAM_VRAM_BUDGET=auto --preset flux2 --aitk-flow --vram-cap-gb 24 --warmup 2 \
+      --steps 3 --mode layerstream --deterministic --host-dtype lossless
+    compare_losses "$OUT/mem_flux2_det_resident.json" "$OUT/mem_flux2_det_lossless.json"
   fi
   if [[ $MRUNS == *,stockflow,* ]]; then
     step "AI-Toolkit's flow under a 24 GiB cap: stock at offload_percent 0.5 (its best under the cap, 2026-11-30)"
