@@ -523,6 +523,117 @@ def test_an_earlier_peak_on_the_gpu_does_not_shrink_the_budget(engine, device, m
     assert torch.cuda.max_memory_allocated(device) >= 2048 * MiB  # the application's own peak is untouched
 
 
+def test_a_text_encoder_called_under_no_grad_every_step_then_freed_keeps_the_budget_exact(engine, device, monkeypatch):
+    """AI-Toolkit without cached embeddings: a managed text encoder runs under no_grad before every training
+    step, on the same device state as the transformer, on the 12 MiB simulated card with an `auto` budget
+    (the two models' 12 MiB of layers do not all fit). The budget plans from the training cycles (the encoder's
+    calls fall in the gaps), then the encoder is freed mid-run (its layers leave the engine, resident or not)
+    and training goes on. Every loss is the unmanaged run's, what stays resident and the ring fit the card, the
+    freed encoder's layers are no longer counted, and the race checker sees no unordered access."""
+    if engine != "sim":
+        pytest.skip("the simulated card signals the pressure")
+    monkeypatch.setenv("LAYERSTREAM_SIM_DEVICE_MB", "12")
+    monkeypatch.setenv("LAYERSTREAM_RING_MB", "2")
+    monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "auto")
+    base = _base()
+    torch.manual_seed(32)
+    encoder_base = TinyTransformer(d=256, ff=512, layers=2).requires_grad_(False)
+    freed_at = 7
+
+    def run(model, encoders, record):
+        # `encoders` holds the only reference to the encoder: cleared, it is freed.
+        loras = apply_lora(model)
+        opt = torch.optim.AdamW([p for lo in loras for p in lo.parameters()], lr=1e-2)
+        losses, held = [], {}
+        for step, x in enumerate(STEPS):
+            x = x.to(device)
+            if encoders:
+                with torch.no_grad():
+                    x = x + encoders[0](x)
+            opt.zero_grad(set_to_none=True)
+            loss = model(x).float().pow(2).mean()
+            loss.backward()
+            mm.sync_grad_transfers()
+            opt.step()
+            losses.append(loss.item())
+            if record and step == freed_at - 1:
+                held["before_free"] = mm._DEVICE_STATE[device].stats()
+            if step == freed_at:
+                encoders.clear()  # AI-Toolkit deletes its text encoders once their embeddings are not needed
+                gc.collect()
+                if record:
+                    held["after_free"] = mm._DEVICE_STATE[device].stats()
+        return losses, held
+
+    ref, _ = run(copy.deepcopy(base), [copy.deepcopy(encoder_base)], record=False)
+    managed = copy.deepcopy(base)
+    ContractManager.attach(mm, managed, device).to_device()
+    encoders = [copy.deepcopy(encoder_base)]
+    ContractManager.attach(mm, encoders[0], device).to_device()
+    state = mm._DEVICE_STATE[device]
+    losses, held = run(managed, encoders, record=True)
+    assert losses == ref
+    before, after = held["before_free"], held["after_free"]
+    assert before["vram_budget_planned"] == 1
+    assert before["ring_bytes"] + before["resident_bytes"] <= 12 * MiB
+    assert before["layers"] == 36 and after["layers"] == 24  # the encoder's 12 linears left the engine
+    # The plan kept some of the encoder's layers (they are used every step); freed, they took their memory along.
+    assert after["resident_layers"] < before["resident_layers"] and after["resident_bytes"] < before["resident_bytes"]
+    stats = state.stats()
+    assert stats["sim_races"] == 0 and stats["ring_bytes"] + stats["resident_bytes"] <= 12 * MiB
+
+
+def test_two_experts_trained_in_turn_share_the_plan_and_move_what_it_estimates(engine, device, monkeypatch):
+    """Wan 2.2 14B in AI-Toolkit: two transformers (the high- and low-noise experts) attached on one device,
+    the trainer switching between them every step (`switch_boundary_every: 1`, its default). The budget's record
+    runs until the sequence repeats, so the plan covers both experts' layers: on the 20 MiB simulated card
+    layers of both stay resident (more than one expert has), each pair of steps then moves exactly the bytes the
+    plan estimated for its recorded sequence, and every loss is the unmanaged run's."""
+    if engine != "sim":
+        pytest.skip("the simulated card and its exact byte counts")
+    monkeypatch.setenv("LAYERSTREAM_SIM_DEVICE_MB", "20")
+    monkeypatch.setenv("LAYERSTREAM_RING_MB", "2")
+    monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "auto")
+    torch.manual_seed(1)
+    experts = [TinyTransformer(d=256, ff=512, layers=4, checkpointing="non_reentrant").requires_grad_(False)
+               for _ in range(2)]
+    per_expert = sum(isinstance(m, torch.nn.Linear) for m in experts[0].modules())
+    xs = _inputs([6, 6, 10] * 6)
+    seen = {}
+
+    def run(models, record):
+        optimizers = [torch.optim.AdamW([p for lo in apply_lora(m) for p in lo.parameters()], lr=1e-2) for m in models]
+        losses = []
+        for step, x in enumerate(xs):
+            model, opt = models[step % 2], optimizers[step % 2]
+            opt.zero_grad(set_to_none=True)
+            loss = model(x.to(device)).float().pow(2).mean()
+            loss.backward()
+            mm.sync_grad_transfers()
+            opt.step()
+            losses.append(loss.item())
+            if record:
+                seen[step] = mm._DEVICE_STATE[device].stats()
+        return losses
+
+    ref = run([copy.deepcopy(e) for e in experts], record=False)
+    managed = [copy.deepcopy(e) for e in experts]
+    for m in managed:
+        ContractManager.attach(mm, m, device).to_device()
+    assert run(managed, record=True) == ref
+    last = seen[len(xs) - 1]
+    assert last["vram_budget_planned"] == 1 and last["pressure_yields"] == 0 and last["sim_races"] == 0
+    assert last["layers"] == 2 * per_expert
+    assert per_expert < last["resident_layers"] < 2 * per_expert  # both experts keep layers; not all fit
+    assert last["ring_bytes"] + last["resident_bytes"] <= 20 * MiB
+    # From the second pair of steps after the plan (the first makes the resident copies), whole pairs.
+    settled = next(step for step in sorted(seen) if seen[step]["vram_budget_planned"]) + 3
+    pairs = (len(xs) - 1 - settled) // 2
+    assert pairs >= 5
+    moved = seen[settled + 2 * pairs]["bytes_h2d"] - seen[settled]["bytes_h2d"]
+    assert moved == pairs * last["vram_budget_estimate"]
+
+
 @contextlib.contextmanager
 def _on_a_capped_gpu(engine, monkeypatch, share):
     """A LoRA model of 48 float32 layers (384 MiB) and its all-resident run's losses, then a memory fraction
