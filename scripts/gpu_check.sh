@@ -154,7 +154,10 @@ race_hazards() { grep -c "access at" "$1"; }
 race_hazards_outside_cudnn() { grep "access at" "$1" | grep -vc "_cudnn"; }
 summarize_rows() {  # summarize_rows MD LABEL
   grep -E "^\| (resident|stock|layerstream)" "$1" 2>/dev/null | sed "s/^/      $2 /" >>"$OUT/summary.txt"
-  # torch's allocator in the timed steps (retries: the steps ran against the cap), one line per row.
+  # The flow's timed steps by bucket, and torch's allocator in the timed steps (retries: the steps ran against
+  # the cap), one line per row each.
+  sed -n "/^timed steps by bucket:/,/^\$/p" "$1" 2>/dev/null | grep -E "^  " \
+    | sed "s/^  /      $2 by bucket: /" >>"$OUT/summary.txt"
   sed -n "/^torch's allocator in the timed steps:/,/^\$/p" "$1" 2>/dev/null | grep -E "^  " \
     | sed "s/^  /      $2 allocator: /" >>"$OUT/summary.txt"
 }

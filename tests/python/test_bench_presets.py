@@ -128,3 +128,17 @@ def test_the_allocator_line_sums_the_timed_steps_and_lists_each_steps_retries():
     assert allocator_churn(rows) == ("torch's allocator in the timed steps:\n  layerstream: 3 retries, 7 cudaMalloc, "
                                      "5 cudaFree over 2 timed steps (retries per step: 0, 3)")
     assert allocator_churn(rows[1:2]) == ""
+
+
+def test_the_bucket_line_groups_the_timed_steps_by_the_bucket_they_took():
+    """bench.report.bucket_times: with --aitk-flow step k takes bucket k % len(buckets), warm-up steps counted, so
+    the timed steps after 3 warm-ups start at the first bucket; each bucket's median and fastest step."""
+    from layerstream.bench.report import bucket_times
+
+    rows = [{"mode": "resident", "status": "ok", "step_times_s": [0.6, 0.5, 0.4, 0.8, 0.52, 0.41, 0.7]},
+            {"mode": "stock", "status": "oom: out of device memory", "step_times_s": None}]
+    assert bucket_times(rows, 3, [1.0, 0.5625, 0.25]) == (
+        "timed steps by bucket:\n  resident: 1 of the image tokens: median 0.700 s, fastest 0.600 (3 steps); "
+        "0.5625 of the image tokens: median 0.510 s, fastest 0.500 (2 steps); "
+        "0.25 of the image tokens: median 0.405 s, fastest 0.400 (2 steps)")
+    assert bucket_times(rows, 1, [1.0]) == ""

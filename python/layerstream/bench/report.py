@@ -177,6 +177,10 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
     if plans:
         print(plans)
         losses += "\n\n" + plans
+    buckets = bucket_times(rows, args.warmup, args.buckets) if args.aitk_flow else ""
+    if buckets:
+        print(buckets)
+        losses += "\n\n" + buckets
     churn = allocator_churn(rows)
     if churn:
         print(churn)
@@ -241,3 +245,27 @@ def allocator_churn(rows: list[dict]) -> str:
             f"{total['num_device_free']} cudaFree over {len(per_step)} timed steps (retries per step: "
             f"{', '.join(str(step['num_alloc_retries']) for step in per_step)})")
     return "torch's allocator in the timed steps:\n" + "\n".join(lines) if lines else ""
+
+
+def bucket_times(rows: list[dict], warmup: int, buckets: list[float]) -> str:
+    """--aitk-flow's timed steps by bucket (step k takes bucket k % len(buckets), the warm-up steps counted):
+    the median and the fastest of each, one line per row. Runs compared bucket by bucket are less at the mercy
+    of one slow step than their means."""
+    if len(buckets) < 2:
+        return ""
+    lines = []
+    for r in rows:
+        times = r.get("step_times_s") if r.get("status") == "ok" else None
+        if not times:
+            continue
+        parts = []
+        for b, fraction in enumerate(buckets):
+            mine = sorted(t for i, t in enumerate(times) if (warmup + i) % len(buckets) == b)
+            if not mine:
+                continue
+            mid = len(mine) // 2
+            median = mine[mid] if len(mine) % 2 else (mine[mid - 1] + mine[mid]) / 2
+            parts.append(f"{fraction:g} of the image tokens: median {median:.3f} s, fastest {mine[0]:.3f} "
+                         f"({len(mine)} step{'s' if len(mine) != 1 else ''})")
+        lines.append(f"  {label(r)}: " + "; ".join(parts))
+    return "timed steps by bucket:\n" + "\n".join(lines) if lines else ""
