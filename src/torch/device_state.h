@@ -170,6 +170,10 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // `between_steps`: the yield was not the plan's fault (an allocation between training steps), so the next
   // plan keeps its headroom. `free_bytes`: what an allocation could still get then (SIZE_MAX: not known),
   // for the log line that reports the yield.
+  // A managed layer that was resident left the engine with its model (freed, or detached): `bytes` of device
+  // memory the plan counted went with it. The budget plans again at the next layer call, so that the models
+  // still in use can grow into that memory. Any thread; takes no lock.
+  void note_resident_layer_gone(std::size_t bytes);
   bool yield_for_pressure(std::size_t want, bool between_steps = false,
                           std::size_t free_bytes = std::numeric_limits<std::size_t>::max());
   // The free device memory under which a cache miss of torch's allocator inside a training step counts as
@@ -268,6 +272,8 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   std::atomic<bool> gap_in_window_{false};  // a backward ended since the window began
   // Memory pressure (yield_for_pressure): set by the yield, handled at the next layer call under mu_.
   std::atomic<bool> pressure_pending_{false};
+  // Resident bytes that left with a freed model since the plan (note_resident_layer_gone), handled likewise.
+  std::atomic<std::size_t> resident_gone_bytes_{0};
   std::atomic<std::uint64_t> pressure_yields_{0};
   std::atomic<std::uint64_t> pressure_yielded_bytes_{0};
   std::atomic<std::size_t> pressure_threshold_{0};
@@ -301,6 +307,7 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
     bool waits_for_training = false;  // say that the budget waits for a training step
     std::string prefetch_error;       // what a failed copy ahead of need raised (logged once)
     std::string pressure_report;      // what a yield to memory pressure did (logged)
+    std::string gone_report;          // resident layers that left with their model: the plan is made again
   };
   UseOutcome observe_and_prefetch(LayerId layer, bool fresh_each_use);  // takes mu_
   // After resident copies were given back (`freed` bytes; `free_bytes` free then, SIZE_MAX: not known):

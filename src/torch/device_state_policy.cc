@@ -83,6 +83,7 @@ void DeviceState::note_use(LayerId layer, bool fresh_each_use) {
   }
   // Logged outside mu_, as the plan's report below: a Python log sink takes the GIL.
   if (!outcome.pressure_report.empty()) log(LogLevel::kWarning, outcome.pressure_report);
+  if (!outcome.gone_report.empty()) log(LogLevel::kInfo, outcome.gone_report);
   if (outcome.waits_for_training) {
     log_once("vram-budget-waits-for-training", LogLevel::kInfo,
              "layerstream VRAM budget: planned from the first training steps (a forward with grad enabled); "
@@ -130,6 +131,8 @@ bool DeviceState::yield_for_pressure(std::size_t want, bool between_steps, std::
   note_yield(freed, between_steps, free_bytes);
   return true;
 }
+
+void DeviceState::note_resident_layer_gone(std::size_t bytes) { resident_gone_bytes_ += bytes; }
 
 void DeviceState::note_yield(std::size_t freed, bool between_steps, std::size_t free_bytes) {
   ++pressure_yields_;
@@ -246,6 +249,15 @@ DeviceState::UseOutcome DeviceState::observe_and_prefetch(LayerId layer, bool fr
   std::lock_guard<std::mutex> lock(mu_);  // also keeps the engine from being rebuilt meanwhile
   if (!engine_) return out;
   if (pressure_pending_.exchange(false)) out.pressure_report = replan_after_pressure_locked();
+  const std::size_t gone = resident_gone_bytes_.exchange(0);
+  if (gone > 0 && vram_budget_.enabled && recorder_.planned() && out.pressure_report.empty()) {
+    // A freed model's resident layers left memory the plan no longer uses: plan again from the next training
+    // steps (the layers still resident stay until then; the new plan counts them as its own).
+    forget_plan_locked();
+    out.gone_report = detail::concat("layerstream VRAM budget on ", describe(), ": resident layers of a model no "
+                                     "longer managed left with it (", gone / kMiB, " MiB); the budget plans again "
+                                     "from the next training steps");
+  }
   if (predictor_generation_ != generation_) {  // layer ids of an older engine mean nothing now
     predictor_ = AccessPredictor();
     predictor_generation_ = generation_;

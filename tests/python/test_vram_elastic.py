@@ -523,13 +523,16 @@ def test_an_earlier_peak_on_the_gpu_does_not_shrink_the_budget(engine, device, m
     assert torch.cuda.max_memory_allocated(device) >= 2048 * MiB  # the application's own peak is untouched
 
 
-def test_a_text_encoder_called_under_no_grad_every_step_then_freed_keeps_the_budget_exact(engine, device, monkeypatch):
+def test_a_text_encoder_called_every_step_then_freed_leaves_its_memory_to_the_transformer(engine, device,
+                                                                                          monkeypatch, caplog):
     """AI-Toolkit without cached embeddings: a managed text encoder runs under no_grad before every training
     step, on the same device state as the transformer, on the 12 MiB simulated card with an `auto` budget
     (the two models' 12 MiB of layers do not all fit). The budget plans from the training cycles (the encoder's
     calls fall in the gaps), then the encoder is freed mid-run (its layers leave the engine, resident or not)
     and training goes on. Every loss is the unmanaged run's, what stays resident and the ring fit the card, the
-    freed encoder's layers are no longer counted, and the race checker sees no unordered access."""
+    freed encoder's layers are no longer counted, the budget plans again (said once at INFO) and the
+    transformer's resident layers grow into the memory the encoder's left, and the race checker sees no
+    unordered access."""
     if engine != "sim":
         pytest.skip("the simulated card signals the pressure")
     monkeypatch.setenv("LAYERSTREAM_SIM_DEVICE_MB", "12")
@@ -571,15 +574,20 @@ def test_a_text_encoder_called_under_no_grad_every_step_then_freed_keeps_the_bud
     encoders = [copy.deepcopy(encoder_base)]
     ContractManager.attach(mm, encoders[0], device).to_device()
     state = mm._DEVICE_STATE[device]
-    losses, held = run(managed, encoders, record=True)
+    with caplog.at_level(logging.INFO, logger="layerstream"):
+        losses, held = run(managed, encoders, record=True)
     assert losses == ref
     before, after = held["before_free"], held["after_free"]
     assert before["vram_budget_planned"] == 1
     assert before["ring_bytes"] + before["resident_bytes"] <= 12 * MiB
     assert before["layers"] == 36 and after["layers"] == 24  # the encoder's 12 linears left the engine
-    # The plan kept some of the encoder's layers (they are used every step); freed, they took their memory along.
+    # The plan kept some of the encoder's layers (they are used every step); freed, they took their memory along,
+    # and the budget planned again: the transformer's layers grew into it.
     assert after["resident_layers"] < before["resident_layers"] and after["resident_bytes"] < before["resident_bytes"]
     stats = state.stats()
+    assert after["resident_layers"] < stats["resident_layers"] <= stats["layers"] == after["layers"]
+    assert after["resident_bytes"] < stats["resident_bytes"] and stats["vram_budget_planned"] == 1
+    assert sum("resident layers of a model no longer managed left with it" in r.getMessage() for r in caplog.records) == 1
     assert stats["sim_races"] == 0 and stats["ring_bytes"] + stats["resident_bytes"] <= 12 * MiB
 
 
