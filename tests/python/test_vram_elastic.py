@@ -33,12 +33,13 @@ def _inputs(lengths, d=256, seed=21):
     return [torch.randn(2, tokens, d, generator=g) for tokens in lengths]
 
 
-def _train(model, loras, device, xs, between=lambda step: None, lr=1e-2):
-    """LoRA steps, one per input of `xs`, with between(step) after each; returns the losses."""
+def _train(model, loras, device, xs, between=lambda step: None, lr=1e-2, condition=lambda x: x):
+    """LoRA steps, one per input of `xs` (through condition(x) first, a text encoder's say), with between(step)
+    after each; returns the losses."""
     opt = torch.optim.AdamW([p for lo in loras for p in lo.parameters()], lr=lr)
     losses = []
     for step, x in enumerate(xs):
-        x = x.to(device)
+        x = condition(x.to(device))
         opt.zero_grad(set_to_none=True)
         loss = model(x).float().pow(2).mean()
         loss.backward()
@@ -545,20 +546,15 @@ def test_a_text_encoder_called_every_step_then_freed_leaves_its_memory_to_the_tr
 
     def run(model, encoders, record):
         # `encoders` holds the only reference to the encoder: cleared, it is freed.
-        loras = apply_lora(model)
-        opt = torch.optim.AdamW([p for lo in loras for p in lo.parameters()], lr=1e-2)
-        losses, held = [], {}
-        for step, x in enumerate(STEPS):
-            x = x.to(device)
-            if encoders:
-                with torch.no_grad():
-                    x = x + encoders[0](x)
-            opt.zero_grad(set_to_none=True)
-            loss = model(x).float().pow(2).mean()
-            loss.backward()
-            mm.sync_grad_transfers()
-            opt.step()
-            losses.append(loss.item())
+        held = {}
+
+        def condition(x):
+            if not encoders:
+                return x
+            with torch.no_grad():
+                return x + encoders[0](x)
+
+        def between(step):
             if record and step == freed_at - 1:
                 held["before_free"] = mm._DEVICE_STATE[device].stats()
             if step == freed_at:
@@ -566,7 +562,8 @@ def test_a_text_encoder_called_every_step_then_freed_leaves_its_memory_to_the_tr
                 gc.collect()
                 if record:
                     held["after_free"] = mm._DEVICE_STATE[device].stats()
-        return losses, held
+
+        return _train(model, apply_lora(model), device, STEPS, between, condition=condition), held
 
     ref, _ = run(copy.deepcopy(base), [copy.deepcopy(encoder_base)], record=False)
     managed = copy.deepcopy(base)

@@ -173,18 +173,12 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
                    "or the floor):\n" + samples)
         print(samples)
         losses += "\n\n" + samples
-    plans = budget_plans(rows)
-    if plans:
-        print(plans)
-        losses += "\n\n" + plans
-    buckets = bucket_times(rows, args.warmup, args.buckets) if args.aitk_flow else ""
-    if buckets:
-        print(buckets)
-        losses += "\n\n" + buckets
-    churn = allocator_churn(rows)
-    if churn:
-        print(churn)
-        losses += "\n\n" + churn
+    # The runs' notes, each printed and kept under the table when there is anything to say.
+    for note in (budget_plans(rows), bucket_times(rows, args.warmup, args.buckets) if args.aitk_flow else "",
+                 allocator_churn(rows)):
+        if note:
+            print(note)
+            losses += "\n\n" + note
     sweeps = "\n".join(
         f"  {r['mode']}, decode blocks {x['decode_blocks'] or 'all'}: {x['s_per_step_mean']:.3f} s/step (min "
         f"{x['s_per_step_min']:.3f}), forward {x['phases']['forward_s']:.3f} s, backward {x['phases']['backward_s']:.3f} s"
