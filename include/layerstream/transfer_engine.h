@@ -127,9 +127,10 @@ class TransferEngine {
   LayerId add_external_layer(const HostBlock& block, std::size_t device_extra = 0, FillHook on_fill = {});
   // Bytes a layer takes in the ring: its packed bytes, plus its scratch at the ring's alignment.
   std::size_t device_bytes(LayerId layer) const;
-  // Forgets a layer: waits for copies reading its host bytes, drops its ring region, frees its block.
-  // Throws InvalidArgument while a lease on it is outstanding.
-  void remove_layer(LayerId layer);
+  // Forgets a layer: waits for copies reading its host bytes, drops its ring region and its resident copy,
+  // frees its block. Returns the resident bytes it gave back (0: it was not resident). Throws
+  // InvalidArgument while a lease on it is outstanding.
+  std::size_t remove_layer(LayerId layer);
   HostBlock host_block(LayerId layer) const;
   void begin_host_write(LayerId layer);
   bool on_device(LayerId layer) const;

@@ -126,13 +126,15 @@ void TransferEngine::discard_region_locked(Layer& layer) {
   layer.prefetched_unused = false;
 }
 
-void TransferEngine::remove_layer(LayerId id) {
+std::size_t TransferEngine::remove_layer(LayerId id) {
   void* data = nullptr;
+  std::size_t resident = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     Layer& layer = layer_locked(id);
     check_not_in_use_locked(layer, id, "remove_layer");
     discard_region_locked(layer);
+    if (layer.resident.data() != nullptr) resident = layer.block.bytes;  // as stats' resident_bytes counts it
     drop_resident_locked(layer);
     layer.copied.synchronize();  // the last copy from its host bytes is done
     backend_.annotate_host_access(layer.block.data, layer.block.bytes, true);
@@ -142,6 +144,7 @@ void TransferEngine::remove_layer(LayerId id) {
     layers_.erase(id);
   }
   if (data != nullptr) arena_.free(data);
+  return resident;
 }
 
 HostBlock TransferEngine::host_block(LayerId layer) const {

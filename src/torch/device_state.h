@@ -161,6 +161,10 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   static void set_memory_resolver(MemoryResolver resolver, PeakWindowStarter start_peak_window,
                                   CycleMarker mark_cycle);
 
+  // A managed layer that was resident left the engine with its model (freed, or detached): `bytes` of device
+  // memory the plan counted went with it. The budget plans again at the next layer call, so that the models
+  // still in use can grow into that memory. Any thread; takes no lock.
+  void note_resident_layer_gone(std::size_t bytes);
   // Memory pressure: an allocation of the process found no room (torch's allocator runs its free-memory
   // callbacks; the simulator its pressure hook). Gives back the resident copies no lease holds, so that the
   // allocator can hand their memory out, and has the VRAM budget plan again from the next training steps
@@ -170,10 +174,6 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // `between_steps`: the yield was not the plan's fault (an allocation between training steps), so the next
   // plan keeps its headroom. `free_bytes`: what an allocation could still get then (SIZE_MAX: not known),
   // for the log line that reports the yield.
-  // A managed layer that was resident left the engine with its model (freed, or detached): `bytes` of device
-  // memory the plan counted went with it. The budget plans again at the next layer call, so that the models
-  // still in use can grow into that memory. Any thread; takes no lock.
-  void note_resident_layer_gone(std::size_t bytes);
   bool yield_for_pressure(std::size_t want, bool between_steps = false,
                           std::size_t free_bytes = std::numeric_limits<std::size_t>::max());
   // The free device memory under which a cache miss of torch's allocator inside a training step counts as

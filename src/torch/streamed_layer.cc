@@ -78,9 +78,7 @@ StreamedLayer::~StreamedLayer() {
   if (TransferEngine* engine = engine_if_registered()) {
     try {
       // Its model is gone (freed, or detached): memory the budget's plan kept for it is free for the others.
-      const std::size_t resident = engine->resident(id_) ? engine->device_bytes(id_) : 0;
-      engine->remove_layer(id_);
-      if (resident > 0) state_->note_resident_layer_gone(resident);
+      if (const std::size_t resident = engine->remove_layer(id_)) state_->note_resident_layer_gone(resident);
     } catch (const std::exception& e) {
       log(LogLevel::kWarning, std::string("unregistering a layer failed: ") + e.what());
     }

@@ -217,6 +217,11 @@ TEST_P(TransferEngineTest, ResidentLayerIsCopiedOnceAndStaysFresh) {
   EXPECT_FALSE(engine.resident(a));
   EXPECT_EQ(engine.stats().resident_layers, 0u);
   EXPECT_EQ(use(engine, a), host_bytes(engine, a));  // streams again
+  // Removing a layer says what resident memory went with it (its model freed: the budget plans again).
+  ASSERT_TRUE(engine.make_resident(b));
+  EXPECT_EQ(engine.remove_layer(b), 4096u);
+  EXPECT_EQ(engine.remove_layer(a), 0u);
+  EXPECT_EQ(engine.stats().resident_bytes, 0u);
 }
 
 // A layer's scratch (what a reader derives from its bytes, e.g. dequantized weights) sits after its bytes
