@@ -1,5 +1,6 @@
 """Run by test_lossless_host_memory.py in a fresh process (its RSS is then this model's and nothing else's):
-attaches a bfloat16 model of `--gib` GiB through AI-Toolkit's own manager.py with
+attaches a bfloat16 model of `--gib` GiB through AI-Toolkit's own manager.py (`--aitk DIR`; without it, through
+contract_driver.py's ContractManager, which makes the calls manager.py makes, so that CI runs it too) with
 LAYERSTREAM_HOST_DTYPE=lossless on the simulator, measures the process' resident memory at each step, and
 checks that every path that reads the weights sees their exact values. Prints one JSON line.
 
@@ -57,9 +58,33 @@ def build(layers: int, n: int) -> torch.nn.Sequential:
     return model
 
 
+class ContractMemoryManager:
+    """manager.py's MemoryManager surface that this worker calls (attach, detach, free, release_cached_memory)
+    over contract_driver.ContractManager, for a machine without an AI-Toolkit checkout. Every layer is
+    offloaded (the worker asks offload_percent 1.0 only)."""
+
+    def __init__(self, mm):
+        self.mm = mm
+
+    def attach(self, module, device, offload_percent=1.0):
+        from contract_driver import ContractManager
+
+        assert offload_percent == 1.0, "the contract driver offloads every layer"
+        ContractManager.attach(self.mm, module, device)
+
+    def detach(self, module):
+        module._memory_manager.detach()
+
+    def free(self, module):
+        module._memory_manager.free()
+
+    def release_cached_memory(self):
+        gc.collect()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--aitk", required=True)
+    ap.add_argument("--aitk", default=None, help="an AI-Toolkit checkout (else the contract driver)")
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--n", type=int, default=8192)
     args = ap.parse_args()
@@ -67,18 +92,22 @@ def main() -> None:
     from layerstream.aitk import load_memory_management
     from layerstream.packed_weight import PackedWeight
 
-    package = load_memory_management(args.aitk, engine="layerstream")
+    if args.aitk:
+        memory_manager = load_memory_management(args.aitk, engine="layerstream").MemoryManager
+    else:
+        memory_manager = ContractMemoryManager(mm)
+    out: dict = {"manager": "AI-Toolkit's manager.py" if args.aitk else "contract_driver.ContractManager"}
     n = args.n
     layers = max(1, round(args.gib * (1 << 30) / (n * n * 2)))
     weight_bytes = layers * n * n * 2
-    out: dict = {"weight_bytes": weight_bytes, "layers": layers}
+    out.update(weight_bytes=weight_bytes, layers=layers)
     checks: dict = {}
 
     base = rss()
     model = build(layers, n)
     with_weights = rss()
     reset_peak()
-    package.MemoryManager.attach(model, torch.device("cpu"), offload_percent=1.0)
+    memory_manager.attach(model, torch.device("cpu"), offload_percent=1.0)
     attach_peak = status("VmHWM")
     attached = rss()
     stats = mm.stats()
@@ -134,7 +163,7 @@ def main() -> None:
     del param, xg, reference, last
 
     # AI-Toolkit's detach: every layer holds a plain Parameter of the exact values.
-    package.MemoryManager.detach(model)
+    memory_manager.detach(model)
     checks["detach"] = all(type(lin.weight) is torch.nn.Parameter and torch.equal(lin.weight, expected_weight(i, n))
                            for i, lin in enumerate(model))
     del model
@@ -145,12 +174,12 @@ def main() -> None:
 
     # AI-Toolkit's free on a second, smaller model: nothing decoded, everything released.
     small = build(2, 2048)
-    package.MemoryManager.attach(small, torch.device("cpu"), offload_percent=1.0)
+    memory_manager.attach(small, torch.device("cpu"), offload_percent=1.0)
     before_free = mm.stats()
-    package.MemoryManager.free(small)
+    memory_manager.free(small)
     for key in list(mm._DEVICE_STATE):
         del mm._DEVICE_STATE[key]
-    package.MemoryManager.release_cached_memory()
+    memory_manager.release_cached_memory()
     after = mm.stats()
     checks["free"] = (before_free["host_pinned_packed_bytes"] > 0 and all(lin.weight.is_meta for lin in small)
                       and after["host_bytes_requested"] == 0 and after["host_pinned_packed_bytes"] == 0
