@@ -1,8 +1,9 @@
-"""LAYERSTREAM_HOST_DTYPE=lossless saves host memory: a 1 GiB bfloat16 model attached through AI-Toolkit's own
-manager.py where AI_TOOLKIT_DIR names a checkout, and through contract_driver.py's ContractManager (the same
-calls, written from the contract) always, so that CI runs it (the simulator), costs the process its packed bytes only, about 0.75x of the weights, and every
-path that reads them (state_dict, torch.save/load, unfreeze, detach, free) sees the exact values. Run in a
-fresh process (tests/python/host_memory_worker.py) so that its RSS is this model's alone."""
+"""LAYERSTREAM_HOST_DTYPE=lossless saves host memory: a 1 GiB bfloat16 model on the simulator, attached
+through contract_driver.py's ContractManager (the calls manager.py makes, written from the contract; so CI
+runs it) and, where AI_TOOLKIT_DIR names a checkout, through AI-Toolkit's own manager.py, costs the process
+its packed bytes only, about 0.75x of the weights, and every path that reads them (state_dict,
+torch.save/load, unfreeze, detach, free) sees the exact values. Run in a fresh process
+(tests/python/host_memory_worker.py) so that its RSS is this model's alone."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ MiB = 1 << 20
 MANAGERS = [
     pytest.param(None, id="contract-driver"),
     pytest.param(DIRS[0] if DIRS else None, id="aitk-manager", marks=pytest.mark.skipif(
-        not DIRS, reason="AI_TOOLKIT_DIR is not set (point it at one or more AI-Toolkit checkouts, os.pathsep-separated)")),
+        not DIRS,
+        reason="AI_TOOLKIT_DIR is not set (point it at one or more AI-Toolkit checkouts, os.pathsep-separated)")),
 ]
 
 
@@ -29,10 +31,8 @@ MANAGERS = [
 @pytest.mark.parametrize("aitk", MANAGERS)
 def test_a_1gib_model_costs_its_packed_bytes_and_every_read_is_exact(aitk):
     env = dict(os.environ, LAYERSTREAM_BACKEND="sim", LAYERSTREAM_HOST_DTYPE="lossless")
-    here = Path(__file__).parent
-    # The worker imports contract_driver from this folder.
-    env["PYTHONPATH"] = os.pathsep.join([str(here)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    worker = here / "host_memory_worker.py"
+    # The worker imports contract_driver from its own folder, which Python puts first on sys.path.
+    worker = Path(__file__).with_name("host_memory_worker.py")
     done = subprocess.run([sys.executable, str(worker), "--gib", "1"] + (["--aitk", aitk] if aitk else []),
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
