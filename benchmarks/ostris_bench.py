@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """LoRA training on a FLUX.2-shaped transformer whose linears are AI-Toolkit OstrisLinear layers (its own
 quantizers: uint4, convrot8, nvfp4, orbit4, orbitvq4, ...), under AI-Toolkit's own MemoryManager (every
-linear offloaded), with its stock manager_modules.py and with layerstream's.
+linear offloaded), with its stock manager_modules.py and with layerstream's, beside the same model held whole on
+the GPU without a manager (`resident`, never capped: the compute floor both engines are measured against).
 
 The model is layerstream.bench's FLUX-shaped transformer (the `flux2` preset: 32B parameters; SwiGLU, no
 biases, shared modulation). Quantizing 32B random weights would take most of a GPU session (and 60 GiB of bf16
@@ -43,9 +44,9 @@ from torch import nn
 from layerstream.aitk import import_toolkit, load_memory_management
 from layerstream.bench import DTYPE, GiB, PRESETS, FluxShapedTransformer, apply_lora, peak_rss_bytes, stock_pinned_bytes
 from layerstream.bench.cli import _strip_options
-from layerstream.bench.measure import use_deterministic_kernels
+from layerstream.bench.measure import measure_h2d_bytes_per_s, use_deterministic_kernels
 
-MODES = ("stock", "layerstream")
+MODES = ("resident", "stock", "layerstream")
 
 
 def quantized_model(cfg, qtype: str, aitk_dir: str, device: torch.device, checkpointing: bool, seed: int):
@@ -126,17 +127,22 @@ def run_one(args, qtype: str, mode: str, device: torch.device) -> dict:
     print(f"[{qtype} {mode}] {len(layers)} OstrisLinear ({shapes} shapes quantized), {host_bytes / GiB:.2f} GiB "
           f"stored, built in {build_s:.1f} s", flush=True)
 
-    package = load_memory_management(args.aitk_dir, engine=mode)
     t0 = time.perf_counter()
     random.seed(args.seed)
-    package.MemoryManager.attach(model, device, offload_percent=1.0)
-    model.to(device)
-    paths = {getattr(m._layer_memory_manager, "path", "stock") for m in layers}
+    if mode == "resident":  # no manager: every buffer on the device, the floor of compute
+        package = None
+        model.to(device)
+        paths = {"resident"}
+    else:
+        package = load_memory_management(args.aitk_dir, engine=mode)
+        package.MemoryManager.attach(model, device, offload_percent=1.0)
+        model.to(device)
+        paths = {getattr(m._layer_memory_manager, "path", "stock") for m in layers}
     # (Stock stages nothing on a CPU process device: it runs the layer's forward where the buffers are.)
     stock_moved = count_stock_copies(model) if mode == "stock" and device.type == "cuda" else None
     network = apply_lora(model, args.rank, True, device, seed=args.seed + 1)
     place_s = time.perf_counter() - t0
-    if args.cap_gb and device.type == "cuda":
+    if args.cap_gb and device.type == "cuda" and mode != "resident":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gb * GiB / total))
         torch.cuda.reset_peak_memory_stats(device)
@@ -148,6 +154,8 @@ def run_one(args, qtype: str, mode: str, device: torch.device) -> dict:
     sync_grads = getattr(package, "sync_grad_transfers", lambda: None)
 
     def moved() -> int:
+        if mode == "resident":
+            return 0
         if mode == "stock":
             return stock_moved[0] if stock_moved is not None else 0
         from layerstream import manager_modules
@@ -182,7 +190,9 @@ def run_one(args, qtype: str, mode: str, device: torch.device) -> dict:
     if device.type == "cuda":
         row["peak_vram_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         row["peak_vram_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-    if mode == "stock":
+    if mode == "resident":
+        row["pinned_bytes"] = 0
+    elif mode == "stock":
         row["pinned_bytes"] = stock_pinned_bytes(
             [t for m in layers for t in list(m._buffers.values()) + list(m._parameters.values()) if t is not None])[0]
     else:
@@ -196,7 +206,7 @@ def _fmt(value, scale: float = 1.0, digits: int = 2) -> str:
     return "-" if value is None else f"{value / scale:.{digits}f}"
 
 
-def markdown_table(rows: list[dict]) -> str:
+def markdown_table(rows: list[dict], h2d_bytes_per_s: float | None = None) -> str:
     lines = ["| qtype | mode | s/step mean (min) | peak VRAM GiB alloc / reserved | peak RSS GiB | pinned GiB "
              "| stored GiB | GiB/step over bus | losses = stock's (bitwise only with --deterministic) |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -213,6 +223,16 @@ def markdown_table(rows: list[dict]) -> str:
             f"{_fmt(r['peak_vram_reserved_bytes'], GiB)} | {_fmt(r['peak_rss_bytes'], GiB)} "
             f"| {_fmt(r['pinned_bytes'], GiB)} | {_fmt(r['stored_bytes'], GiB)} | {_fmt(r['bytes_per_step'], GiB)} "
             f"| {same} |")
+    resident = {r["qtype"]: r for r in rows if r["mode"] == "resident" and r["status"] == "ok"}
+    for qtype, r in resident.items():
+        # The floor of a streamed step: the resident step's compute, or the bus time of what layerstream moved
+        # (stock's bytes where layerstream did not run), whichever is longer.
+        streamed = [x for x in rows if x["qtype"] == qtype and x["status"] == "ok" and x["mode"] != "resident"]
+        moved = next((x for x in streamed if x["mode"] == "layerstream"), streamed[0] if streamed else None)
+        bus = None if moved is None or not h2d_bytes_per_s else moved["bytes_per_step"] / h2d_bytes_per_s
+        floor = max(r["s_per_step_min"], bus or 0.0)
+        lines.append(f"| {qtype} | floor: max(compute, bytes/bus) | {floor:.3f} (compute {r['s_per_step_min']:.3f}"
+                     f", bus {_fmt(bus, digits=3)} s at {_fmt(h2d_bytes_per_s, 1e9, 1)} GB/s) | | | | | | |")
     return "\n".join(lines)
 
 
@@ -280,11 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json_out).write_text(json.dumps({"results": [row]}) + "\n")
         return 0
     rows = run_children(_strip_options(argv, ("--qtypes", "--modes", "--json-out", "--md-out")), args)
-    table = markdown_table(rows)
+    h2d = measure_h2d_bytes_per_s() if torch.cuda.is_available() and "resident" in args.mode_list else None
+    table = markdown_table(rows, h2d)
     print("\n" + table)
     meta = {"command": shlex.join([sys.executable, *sys.argv]), "preset": args.preset, "cap_gb": args.cap_gb,
             "rank": args.rank, "checkpointing": args.checkpointing, "warmup": args.warmup, "steps": args.steps,
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__}
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
+            "h2d_bytes_per_s": h2d}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
     if args.md_out:

@@ -30,8 +30,9 @@
 #          under a 24 GiB cap, layerstream alone (LAYERSTREAM_LOSSLESS_RUNS picks; about 5 minutes; flux1flow:
 #          FLUX.1 placed as AI-Toolkit places it, for the host RAM from the attach on)
 #   pyfiles  the GPU cases (-k cuda) of the test files in LAYERSTREAM_PY_FILES
-#   ostris AI-Toolkit's OstrisLinear quantizers on FLUX.2-shaped under a cap, stock vs layerstream
-#          (benchmarks/ostris_bench.py; LAYERSTREAM_OSTRIS_QTYPES, LAYERSTREAM_OSTRIS_CAP_GB)
+#   ostris AI-Toolkit's OstrisLinear quantizers on FLUX.2-shaped under a cap, stock vs layerstream, and the
+#          model all-resident where a group asks ("q1,q2@resident,stock,layerstream"; benchmarks/ostris_bench.py;
+#          LAYERSTREAM_OSTRIS_QTYPES, LAYERSTREAM_OSTRIS_CAP_GB)
 #   mem    memory first: FLUX.1 100% streamed stock vs layerstream's default ring; AI-Toolkit's flow (model on the
 #          GPU before attach, an encoder freed, samples, buckets) under 24 GiB: resident, layerstream auto, stock at
 #          0.5, and layerstream auto with 4 GiB taken by the user between steps (LAYERSTREAM_MEM_RUNS picks;
@@ -54,8 +55,9 @@
 #          pinned:copy pinned:patch current:stock current:copy current:patch (default all six); each run's
 #          versions and table go to $OUT/aitkmm-<pair>-<engine>.txt and the table into the summary (about 4.6
 #          minutes a run)
-#   aitkmmab  the same script one configuration at a time (`--run N`), stock and layerstream copy mode
-#          alternating, medians over LAYERSTREAM_AITKMM_REPEAT rounds (LAYERSTREAM_AITKMM_CONFIGS, _PAIRS pick)
+#   aitkmmab  the same script one configuration at a time (`--run N`), stock and layerstream (copy mode, or
+#          LAYERSTREAM_AITKMM_ENGINES="patch" / "copy patch") alternating, medians over LAYERSTREAM_AITKMM_REPEAT
+#          rounds (LAYERSTREAM_AITKMM_CONFIGS, _PAIRS pick)
 # One lent-machine call has 10 minutes: `core`, `py,quant`, `san` and `bench` each fit one call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -656,13 +658,17 @@ fi
 if want ostris; then
   # AI-Toolkit's OstrisLinear quantizers (issue 26) on FLUX.2-shaped under a cap: stock vs layerstream, one run per
   # group of LAYERSTREAM_OSTRIS_QTYPES (space-separated groups of comma-separated qtypes; about 1.5-2 minutes per
-  # qtype and mode), cap LAYERSTREAM_OSTRIS_CAP_GB (default 24).
+  # qtype and mode; a group's own modes after '@', as in "convrot4,nvfp4@resident,stock,layerstream": resident is
+  # the model whole on the GPU without a manager or cap, the floor of compute), cap LAYERSTREAM_OSTRIS_CAP_GB
+  # (default 24).
   ensure_installed
   n=0
-  for group in ${LAYERSTREAM_OSTRIS_QTYPES:-uint4,convrot8 nvfp4,orbit4 orbitvq4}; do
+  for spec in ${LAYERSTREAM_OSTRIS_QTYPES:-uint4,convrot8 nvfp4,orbit4 orbitvq4}; do
     n=$((n + 1))
-    step "OstrisLinear $group on FLUX.2-shaped under ${LAYERSTREAM_OSTRIS_CAP_GB:-24} GiB: stock vs layerstream"
-    run "ostris_$n" python3 benchmarks/ostris_bench.py --preset flux2 --qtypes "$group" \
+    group=${spec%%@*} modes=stock,layerstream
+    [[ $spec == *@* ]] && modes=${spec#*@}
+    step "OstrisLinear $group on FLUX.2-shaped under ${LAYERSTREAM_OSTRIS_CAP_GB:-24} GiB: $modes"
+    run "ostris_$n" python3 benchmarks/ostris_bench.py --preset flux2 --qtypes "$group" --modes "$modes" \
       --cap-gb "${LAYERSTREAM_OSTRIS_CAP_GB:-24}" --warmup 2 --steps 3 --aitk-dir "${AI_TOOLKIT_DIR%%:*}" \
       --json-out "$OUT/ostris_$n.json" --md-out "$OUT/ostris_$n.md"
     grep -E "^\|" "$OUT/ostris_$n.md" 2>/dev/null | sed 's/^/      /' >>"$OUT/summary.txt"
@@ -762,18 +768,21 @@ if want aitkmmab && ensure_installed && aitkmm_ready; then
   # between runs (2026-12-02). LAYERSTREAM_AITKMM_CONFIGS: the configurations (default "2 3 6 7": bf16 and
   # float8 at 100% offload, checkpointing on and off; 0, 1, 4, 5 are the same without offloading),
   # LAYERSTREAM_AITKMM_PAIRS (default "pinned current"), LAYERSTREAM_AITKMM_REPEAT rounds (default 2; about 35 s a
-  # run). Every result goes to $OUT/aitkmmab.txt; the summary gets each configuration's median per engine.
+  # run). LAYERSTREAM_AITKMM_ENGINES: layerstream's install modes beside stock (default "copy"; "patch", or
+  # "copy patch" for both). Every result goes to $OUT/aitkmmab.txt; the summary gets each configuration's median
+  # per engine.
+  ENGINES="stock ${LAYERSTREAM_AITKMM_ENGINES:-copy}"
   for pair in ${LAYERSTREAM_AITKMM_PAIRS:-pinned current}; do
     aitkmm_site "$pair" "aitkmmab_$pair" || continue
     step "AI-Toolkit's test_memory_manager.py, stock and layerstream alternating, library pair $pair"
-    for engine in stock copy; do
+    for engine in $ENGINES; do
       tree="/tmp/aitkmm/ab-$pair-$engine"
       rm -rf "$tree" && mkdir -p /tmp/aitkmm && cp -r "$AITKMM_SRC" "$tree"
-      [[ $engine == stock ]] || run "aitkmmab_install_$pair" python3 -m layerstream install "$tree" --mode "$engine"
+      [[ $engine == stock ]] || run "aitkmmab_install_$pair-$engine" python3 -m layerstream install "$tree" --mode "$engine"
     done
     for ((round = 1; round <= ${LAYERSTREAM_AITKMM_REPEAT:-2}; round++)); do
       for n in ${LAYERSTREAM_AITKMM_CONFIGS:-2 3 6 7}; do
-        for engine in stock copy; do
+        for engine in $ENGINES; do
           ( cd "/tmp/aitkmm/ab-$pair-$engine" && PYTHONPATH="$AITKMM_SITE" timeout 300 python3 \
               toolkit/memory_management/test_memory_manager.py --run "$n" 2>&1 ) \
             | grep "^RESULT " | sed "s/^RESULT /$pair $engine $round /" >>"$OUT/aitkmmab.txt"
@@ -788,14 +797,15 @@ for line in open(sys.argv[1]):
     pair, engine, _, payload = line.split(" ", 3)
     r = json.loads(payload)
     runs.setdefault((pair, r["label"]), {}).setdefault(engine, []).append(r)
-print("      | pair | configuration | stock ms (median, runs) | layerstream ms | speed-up | peak VRAM GB stock / layerstream |")
+print("      | pair | configuration | mode | stock ms (median, runs) | layerstream ms | speed-up | peak VRAM GB stock / layerstream |")
 for (pair, label), by in runs.items():
     ms = {e: statistics.median(x["ms"] for x in rs) for e, rs in by.items()}
     vram = {e: max(x["peak"] for x in rs) for e, rs in by.items()}
     each = {e: ", ".join("%.1f" % x["ms"] for x in rs) for e, rs in by.items()}
-    if "stock" in ms and "copy" in ms:
-        print(f"      | {pair} | {label} | {ms['stock']:.1f} ({each['stock']}) | {ms['copy']:.1f} ({each['copy']}) | "
-              f"{ms['stock'] / ms['copy']:.2f}x | {vram['stock']:.2f} / {vram['copy']:.2f} |")
+    for e in sorted(set(ms) - {"stock"}):
+        if "stock" in ms:
+            print(f"      | {pair} | {label} | {e} | {ms['stock']:.1f} ({each['stock']}) | {ms[e]:.1f} ({each[e]}) | "
+                  f"{ms['stock'] / ms[e]:.2f}x | {vram['stock']:.2f} / {vram[e]:.2f} |")
 PY
 fi
 
