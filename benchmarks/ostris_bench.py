@@ -117,6 +117,9 @@ def run_one(args, qtype: str, mode: str, device: torch.device) -> dict:
     cfg = PRESETS[args.preset]
     if mode == "layerstream" and args.cap_gb and device.type == "cuda":
         os.environ.setdefault("LAYERSTREAM_VRAM_BUDGET", f"{args.cap_gb:g}GiB")  # read at the first attach
+    if mode == "layerstream":
+        # How long compute waits for copies (two event records per fetch), as layerstream.bench measures it.
+        os.environ.setdefault("LAYERSTREAM_TIME_WAITS", "1")
     t0 = time.perf_counter()
     model, shapes = quantized_model(cfg, qtype, args.aitk_dir, device, args.checkpointing, args.seed)
     if device.type == "cuda":
@@ -162,10 +165,18 @@ def run_one(args, qtype: str, mode: str, device: torch.device) -> dict:
 
         return int(manager_modules.stats()["bytes_h2d"])
 
-    losses, times, start_bytes = [], [], 0
+    def waited_us() -> float | None:
+        """How long layerstream's compute stream waited for its copies so far (None for the other modes)."""
+        if mode != "layerstream":
+            return None
+        from layerstream import manager_modules
+
+        return float(manager_modules.stats().get("copy_wait_us", 0))
+
+    losses, times, start_bytes, start_wait = [], [], 0, None
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
-            start_bytes = moved()
+            start_bytes, start_wait = moved(), waited_us()
         sync(device)
         t = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -185,6 +196,7 @@ def run_one(args, qtype: str, mode: str, device: torch.device) -> dict:
         "layers": len(layers), "stored_bytes": host_bytes, "build_s": build_s, "place_s": place_s,
         "s_per_step_mean": sum(times) / len(times), "s_per_step_min": min(times), "step_times_s": times,
         "bytes_per_step": (moved() - start_bytes) / len(times), "losses": losses,
+        "copy_wait_ms_per_step": None if start_wait is None else (waited_us() - start_wait) / 1e3 / len(times),
         "peak_rss_bytes": peak_rss_bytes(), "peak_vram_allocated_bytes": None, "peak_vram_reserved_bytes": None,
     }
     if device.type == "cuda":
@@ -208,12 +220,13 @@ def _fmt(value, scale: float = 1.0, digits: int = 2) -> str:
 
 def markdown_table(rows: list[dict], h2d_bytes_per_s: float | None = None) -> str:
     lines = ["| qtype | mode | s/step mean (min) | peak VRAM GiB alloc / reserved | peak RSS GiB | pinned GiB "
-             "| stored GiB | GiB/step over bus | losses = stock's (bitwise only with --deterministic) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| stored GiB | GiB/step over bus | compute waited for copies ms/step "
+             "| losses = stock's (bitwise only with --deterministic) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     stock = {r["qtype"]: r for r in rows if r["mode"] == "stock" and r["status"] == "ok"}
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['qtype']} | {r['mode']} | {r['status']}: {r['reason']} | | | | | | |")
+            lines.append(f"| {r['qtype']} | {r['mode']} | {r['status']}: {r['reason']} | | | | | | | |")
             continue
         same = "" if r["qtype"] not in stock or r["mode"] == "stock" else (
             "yes" if r["losses"] == stock[r["qtype"]]["losses"] else "**no**")
@@ -222,7 +235,7 @@ def markdown_table(rows: list[dict], h2d_bytes_per_s: float | None = None) -> st
             f"({_fmt(r['s_per_step_min'], digits=3)}) | {_fmt(r['peak_vram_allocated_bytes'], GiB)} / "
             f"{_fmt(r['peak_vram_reserved_bytes'], GiB)} | {_fmt(r['peak_rss_bytes'], GiB)} "
             f"| {_fmt(r['pinned_bytes'], GiB)} | {_fmt(r['stored_bytes'], GiB)} | {_fmt(r['bytes_per_step'], GiB)} "
-            f"| {same} |")
+            f"| {_fmt(r.get('copy_wait_ms_per_step'), digits=1)} | {same} |")
     resident = {r["qtype"]: r for r in rows if r["mode"] == "resident" and r["status"] == "ok"}
     for qtype, r in resident.items():
         # The floor of a streamed step: the resident step's compute, or the bus time of what layerstream moved
@@ -232,7 +245,7 @@ def markdown_table(rows: list[dict], h2d_bytes_per_s: float | None = None) -> st
         bus = None if moved is None or not h2d_bytes_per_s else moved["bytes_per_step"] / h2d_bytes_per_s
         floor = max(r["s_per_step_min"], bus or 0.0)
         lines.append(f"| {qtype} | floor: max(compute, bytes/bus) | {floor:.3f} (compute {r['s_per_step_min']:.3f}"
-                     f", bus {_fmt(bus, digits=3)} s at {_fmt(h2d_bytes_per_s, 1e9, 1)} GB/s) | | | | | | |")
+                     f", bus {_fmt(bus, digits=3)} s at {_fmt(h2d_bytes_per_s, 1e9, 1)} GB/s) | | | | | | | |")
     return "\n".join(lines)
 
 
