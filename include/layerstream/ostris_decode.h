@@ -1,4 +1,4 @@
-// Decoders for two of AI-Toolkit's OstrisLinear weight formats (toolkit/util/*_quant.py at 27a03a91), so that
+// Decoders for three of AI-Toolkit's OstrisLinear weight formats (toolkit/util/*_quant.py at 27a03a91), so that
 // a streamed layer's weight is built by one fused kernel instead of the backend's chain of torch operations
 // (each a full pass over the weight, several per call). The result is bit for bit the weight the backend's
 // own forward builds; the glue proves that on each layer's first call before it uses the decoder there.
@@ -16,6 +16,23 @@
 //     w[r, c] = to_out( float(to_out(cb[idx[e / vec_dim], e % vec_dim])) * float(to_out(scale[r, c / group])) ),
 //   e = r * cols + c. A product of two values of the output type is rounded once to it, as a torch multiply of
 //   two such tensors is (float math, one rounding); in float32 it is the float product.
+// nvfp4 (nvfp4, and convrot4's rotated weight): e2m1 codes two per byte (the low nibble the even column; code
+//   bits: sign 8, magnitude index 0..7 into [0, .5, 1, 1.5, 2, 3, 4, 6]), one e4m3 scale byte per 16 columns
+//   of a row, one float32 tensor scale `pts`:
+//     w[r, c] = to_out( e2m1(code) * (e4m3(scale[r, c / 16]) * pts) )   (float products, each rounded once)
+//
+// And the straight-through activation of convrot4 where the GPU has no fp4 matmul (AI-Toolkit quantizes the
+// rotated input to nvfp4 with per-16 amax scales and multiplies by the dequantized value): for x [rows, cols]
+// (cols a multiple of 16), `pts` the float32 tensor scale the caller computed as the backend does (from
+// amax |x|), and each block b of 16 values of a row:
+//     d = 6 * pts;  s = e4m3(amax_b |x| / d);  q = float(s) * pts;  safe = q > 0 ? q : 1
+//     z = clamp(x / safe, -6, 6);  m = #{edges e : !(e >= |z|)} over [.25, .75, 1.25, 1.75, 2.5, 3.5, 5]
+//     x_dq = to_x( (z < 0 ? -e2m1(m) : e2m1(m)) * q );  delta = to_x( float(x_dq) - float(x) )
+//   `delta` is what the backend's `x_dq - x` holds: the caller adds it to x (torch's add, so autograd and the
+//   rounding are the backend's own). Every operation is float32 and correctly rounded, a NaN propagates
+//   through the maxima and the clamp, and e4m3(v) is torch's conversion: nearest even, a NaN to 0x7f, and
+//   from 464 up either 448 (`e4m3_saturates`, as recent torch releases do) or NaN (as older ones do; the glue
+//   asks the running torch which).
 //
 // Two implementations with identical results: the host reference (the sim backend computes with it, so CI
 // runs it) and the CUDA kernels (one thread per output value; read the packed bytes once, write the weight
@@ -52,6 +69,19 @@ struct CodebookSpec {
   RealType out = RealType::kBFloat16;
 };
 
+struct Nvfp4Spec {
+  std::size_t rows = 0;
+  std::size_t cols = 0;  // a multiple of 16
+  RealType out = RealType::kBFloat16;
+};
+
+struct FakeQuantSpec {
+  std::size_t rows = 0;
+  std::size_t cols = 0;  // a multiple of 16
+  RealType type = RealType::kBFloat16;  // of x and delta
+  bool e4m3_saturates = true;
+};
+
 // Bytes of the packed codes a spec reads (what the backend's buffer must hold); for uintx also per shard of
 // 8, 4, 2 and 1 bits, in that order (0 for a shard the width has not).
 std::array<std::size_t, 4> uintx_shard_bytes(const UintxSpec& spec);
@@ -61,6 +91,12 @@ std::size_t codebook_packed_bytes(const CodebookSpec& spec);
 // Throw InvalidArgument naming what is wrong when a spec is not one of the formats above.
 void check_uintx_spec(const UintxSpec& spec);
 void check_codebook_spec(const CodebookSpec& spec);
+void check_nvfp4_spec(const Nvfp4Spec& spec);
+void check_fake_quant_spec(const FakeQuantSpec& spec);
+
+// torch's float32 -> float8_e4m3fn conversion (see above), and back.
+std::uint8_t e4m3_from_float(float v, bool saturates);
+float e4m3_to_float(std::uint8_t code);
 
 void decode_uintx_host(const UintxSpec& spec, const std::uint8_t* packed, const void* scale,
                        const std::uint8_t* zero, void* out);
@@ -68,6 +104,10 @@ void decode_uintx_host(const UintxSpec& spec, const std::uint8_t* packed, const 
 // would raise; the glue's first-call proof then turns the decoder off for that layer).
 void decode_codebook_host(const CodebookSpec& spec, const std::uint8_t* packed, const float* codebook,
                           const void* scale, void* out);
+// `packed` rows * cols / 2 bytes, `scales` rows * cols / 16 e4m3 bytes, `pts` one float.
+void decode_nvfp4_host(const Nvfp4Spec& spec, const std::uint8_t* packed, const std::uint8_t* scales,
+                       const float* pts, void* out);
+void fake_quant_nvfp4_host(const FakeQuantSpec& spec, const void* x, const float* pts, void* delta);
 
 #ifdef LAYERSTREAM_WITH_CUDA
 // Enqueue the kernel on `stream` (a cudaStream_t) of the current device; return at once.
@@ -75,6 +115,10 @@ void decode_uintx_cuda(const UintxSpec& spec, const std::uint8_t* packed, const 
                        const std::uint8_t* zero, void* out, void* stream);
 void decode_codebook_cuda(const CodebookSpec& spec, const std::uint8_t* packed, const float* codebook,
                           const void* scale, void* out, void* stream);
+// `pts` is device memory here too (read by the kernel: no synchronization).
+void decode_nvfp4_cuda(const Nvfp4Spec& spec, const std::uint8_t* packed, const std::uint8_t* scales,
+                       const float* pts, void* out, void* stream);
+void fake_quant_nvfp4_cuda(const FakeQuantSpec& spec, const void* x, const float* pts, void* delta, void* stream);
 #endif
 
 }  // namespace layerstream

@@ -74,6 +74,9 @@
   X(std::uint64_t, dequant_on_copy)                                                                    \
   /* OstrisLinear calls whose weight layerstream decoded (uintx, orbit, orbit-VQ) in one kernel */      \
   X(std::uint64_t, ostris_decoded)                                                                     \
+  /* bytes of OstrisLinear buffers its forward read in place that outlived the call (autograd kept */   \
+  /* them), copied out of the ring (StreamedLayer::with_staged_tensors) */                              \
+  X(std::uint64_t, ostris_kept_bytes)                                                                  \
   X(std::uint64_t, engines_built)                                                                      \
   X(std::uint64_t, sim_races)             /* sim mode: unordered accesses the race checker found */    \
   X(std::uint64_t, vram_budget_planned)   /* 1 once the VRAM budget planned from a training step */    \

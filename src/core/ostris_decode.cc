@@ -2,6 +2,8 @@
 // values with the hardware conversions.
 #include "layerstream/ostris_decode.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -24,7 +26,59 @@ std::uint32_t stream_index(const std::uint8_t* packed, int bits, std::size_t i) 
   return v;
 }
 
+std::uint32_t bits_of(float v) {
+  std::uint32_t b;
+  std::memcpy(&b, &v, sizeof b);
+  return b;
+}
+
+float float_of(std::uint32_t b) {
+  float v;
+  std::memcpy(&v, &b, sizeof v);
+  return v;
+}
+
+constexpr float kE2m1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+constexpr float kE2m1Edges[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+constexpr std::size_t kNvfp4Block = 16;
+
+// The larger, or a NaN where either is one (torch's amax propagates NaN).
+float nan_max(float a, float b) { return std::isnan(a) ? a : (std::isnan(b) || b > a) ? b : a; }
+
 }  // namespace
+
+std::uint8_t e4m3_from_float(float v, bool saturates) {
+  constexpr std::uint32_t kFirstOut = UINT32_C(1087) << 20;  // 480.0f, the first value past the range
+  constexpr std::uint32_t kDenormMagic = UINT32_C(141) << 23;
+  std::uint32_t f = bits_of(v);
+  const std::uint32_t sign = f & UINT32_C(0x80000000);
+  f ^= sign;
+  std::uint8_t r = 0;
+  if (f >= kFirstOut) {
+    r = (!saturates || f > UINT32_C(0x7F800000)) ? 0x7f : 0x7e;
+  } else if (f < (UINT32_C(121) << 23)) {  // below 2^-6, the smallest normal: round in the denormal grid
+    r = static_cast<std::uint8_t>(bits_of(float_of(f) + float_of(kDenormMagic)) - kDenormMagic);
+  } else {
+    const std::uint32_t odd = (f >> 20) & 1u;
+    f += (static_cast<std::uint32_t>(7 - 127) << 23) + 0x7FFFFu + odd;
+    r = static_cast<std::uint8_t>(f >> 20);
+    if (r == 0x7f && saturates) r = 0x7e;
+  }
+  return static_cast<std::uint8_t>(r | (sign >> 24));
+}
+
+float e4m3_to_float(std::uint8_t code) {
+  const int e = (code >> 3) & 15, m = code & 7;
+  float v;
+  if (e == 15 && m == 7) {
+    v = std::numeric_limits<float>::quiet_NaN();
+  } else if (e == 0) {
+    v = std::ldexp(static_cast<float>(m), -9);
+  } else {
+    v = std::ldexp(1.0f + static_cast<float>(m) / 8.0f, e - 7);
+  }
+  return (code & 0x80) ? -v : v;
+}
 
 std::array<std::size_t, 4> uintx_shard_bytes(const UintxSpec& spec) {
   std::array<std::size_t, 4> bytes{};
@@ -61,6 +115,16 @@ void check_codebook_spec(const CodebookSpec& spec) {
   LS_CHECK_ARG(spec.entries > 0, "codebook decode: an empty codebook");
   LS_CHECK_ARG(spec.group > 0 && spec.cols % spec.group == 0, "codebook decode: groups of ", spec.group,
                " do not divide rows of ", spec.cols);
+}
+
+void check_nvfp4_spec(const Nvfp4Spec& spec) {
+  LS_CHECK_ARG(spec.rows > 0 && spec.cols > 0, "nvfp4 decode: empty weight (", spec.rows, " x ", spec.cols, ")");
+  LS_CHECK_ARG(spec.cols % kNvfp4Block == 0, "nvfp4 decode: rows of ", spec.cols, " values (a multiple of 16 is the format's)");
+}
+
+void check_fake_quant_spec(const FakeQuantSpec& spec) {
+  LS_CHECK_ARG(spec.cols > 0 && spec.cols % kNvfp4Block == 0, "nvfp4 activation quantization: rows of ", spec.cols,
+               " values (a multiple of 16 is the format's)");
 }
 
 void decode_uintx_host(const UintxSpec& spec, const std::uint8_t* packed, const void* scale,
@@ -105,6 +169,50 @@ void decode_codebook_host(const CodebookSpec& spec, const std::uint8_t* packed, 
     const std::size_t g = (e / spec.cols) * groups + (e % spec.cols) / spec.group;
     const float sc = round_to(spec.out, decode_real(spec.scale, s + g * ssize));
     store_real(spec.out, round_to(spec.out, c) * sc, o + e * osize);
+  }
+}
+
+void decode_nvfp4_host(const Nvfp4Spec& spec, const std::uint8_t* packed, const std::uint8_t* scales,
+                       const float* pts, void* out) {
+  check_nvfp4_spec(spec);
+  float p;
+  std::memcpy(&p, pts, sizeof p);  // (a byte view of the backend's buffer: any alignment)
+  auto* o = static_cast<unsigned char*>(out);
+  const std::size_t n = spec.rows * spec.cols, osize = real_size(spec.out);
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uint8_t code = static_cast<std::uint8_t>((packed[i / 2] >> ((i & 1) * 4)) & 15);
+    const float sp = e4m3_to_float(scales[i / kNvfp4Block]) * p;
+    const float v = (code & 8) ? -kE2m1[code & 7] : kE2m1[code & 7];
+    store_real(spec.out, v * sp, o + i * osize);
+  }
+}
+
+void fake_quant_nvfp4_host(const FakeQuantSpec& spec, const void* x, const float* pts, void* delta) {
+  check_fake_quant_spec(spec);
+  float p;
+  std::memcpy(&p, pts, sizeof p);
+  const float d = 6.0f * p;
+  const auto* in = static_cast<const unsigned char*>(x);
+  auto* o = static_cast<unsigned char*>(delta);
+  const std::size_t size = real_size(spec.type), blocks = spec.rows * spec.cols / kNvfp4Block;
+  for (std::size_t b = 0; b < blocks; ++b) {
+    float v[kNvfp4Block];
+    float amax = 0.0f;
+    for (std::size_t k = 0; k < kNvfp4Block; ++k) {
+      v[k] = decode_real(spec.type, in + (b * kNvfp4Block + k) * size);
+      amax = nan_max(amax, std::fabs(v[k]));
+    }
+    const float q = e4m3_to_float(e4m3_from_float(amax / d, spec.e4m3_saturates)) * p;
+    const float safe = q > 0.0f ? q : 1.0f;
+    for (std::size_t k = 0; k < kNvfp4Block; ++k) {
+      float z = v[k] / safe;
+      if (!std::isnan(z)) z = std::min(std::max(z, -6.0f), 6.0f);
+      const float a = std::fabs(z);
+      int m = 0;
+      for (float e : kE2m1Edges) m += !(e >= a);
+      const float dq = round_to(spec.type, (z < 0.0f ? -kE2m1[m] : kE2m1[m]) * q);
+      store_real(spec.type, dq - v[k], o + (b * kNvfp4Block + k) * size);
+    }
   }
 }
 

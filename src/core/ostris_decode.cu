@@ -40,6 +40,7 @@ __device__ __forceinline__ void store8(void* out, std::size_t first, const float
 }
 
 struct UintxArgs {
+  static constexpr std::size_t kValuesPerThread = kPerThread;
   const std::uint8_t* packed;
   const void* scale;
   const std::uint8_t* zero;
@@ -88,6 +89,7 @@ __global__ void decode_uintx(UintxArgs a) {
 }
 
 struct CodebookArgs {
+  static constexpr std::size_t kValuesPerThread = kPerThread;
   const std::uint8_t* packed;
   const float* codebook;
   const void* scale;
@@ -125,6 +127,119 @@ __global__ void decode_codebook(CodebookArgs a) {
   }
 }
 
+// nvfp4 (ostris_decode.h): a thread per block of 16 values, which share one scale byte and eight code bytes.
+__device__ __forceinline__ float e4m3_value(std::uint32_t code) {
+  const std::uint32_t e = (code >> 3) & 15u, m = code & 7u;
+  float v;
+  if (e == 15u && m == 7u) {
+    v = __int_as_float(0x7fc00000);
+  } else if (e == 0u) {
+    v = __fmul_rn(static_cast<float>(m), 0.001953125f);  // m * 2^-9, exact
+  } else {
+    v = __uint_as_float(((e + 120u) << 23) | (m << 20));
+  }
+  return (code & 0x80u) ? -v : v;
+}
+
+__device__ __forceinline__ std::uint32_t e4m3_code(float v, bool saturates) {
+  std::uint32_t f = __float_as_uint(v);
+  const std::uint32_t sign = f & 0x80000000u;
+  f ^= sign;
+  std::uint32_t r;
+  if (f >= (1087u << 20)) {
+    r = (!saturates || f > 0x7F800000u) ? 0x7fu : 0x7eu;
+  } else if (f < (121u << 23)) {
+    r = (__float_as_uint(__fadd_rn(__uint_as_float(f), __uint_as_float(141u << 23))) - (141u << 23)) & 0xffu;
+  } else {
+    f += (static_cast<std::uint32_t>(7 - 127) << 23) + 0x7FFFFu + ((f >> 20) & 1u);
+    r = (f >> 20) & 0xffu;
+    if (r == 0x7fu && saturates) r = 0x7eu;
+  }
+  return r | (sign >> 24);
+}
+
+__device__ __forceinline__ float e2m1_value(std::uint32_t code) {
+  const std::uint32_t m = code & 7u;
+  // [0, .5, 1, 1.5, 2, 3, 4, 6]: exact in float
+  const float mag = m < 4u ? 0.5f * static_cast<float>(m) : m == 4u ? 2.0f : m == 5u ? 3.0f : m == 6u ? 4.0f : 6.0f;
+  return (code & 8u) ? -mag : mag;
+}
+
+struct Nvfp4Args {
+  static constexpr std::size_t kValuesPerThread = 16;
+  const std::uint8_t* packed;
+  const std::uint8_t* scales;
+  const float* pts;
+  void* out;
+  std::size_t n, blocks;  // values, and blocks of 16 of them (one per thread)
+};
+
+template <RealType O, typename I>
+__global__ void decode_nvfp4(Nvfp4Args a) {
+  const float pts = __ldg(a.pts);
+  const I blocks = static_cast<I>(a.blocks);
+  const I step = static_cast<I>(gridDim.x) * blockDim.x;
+  for (I b = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; b < blocks; b += step) {
+    const float sp = __fmul_rn(e4m3_value(__ldg(a.scales + b)), pts);
+    float v[2][kPerThread];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const std::uint32_t byte = __ldg(a.packed + static_cast<std::size_t>(b) * 8 + k);
+      v[k / 4][(k % 4) * 2] = __fmul_rn(e2m1_value(byte & 15u), sp);
+      v[k / 4][(k % 4) * 2 + 1] = __fmul_rn(e2m1_value(byte >> 4), sp);
+    }
+    store8<O>(a.out, static_cast<std::size_t>(b) * 16, v[0]);
+    store8<O>(a.out, static_cast<std::size_t>(b) * 16 + kPerThread, v[1]);
+  }
+}
+
+struct FakeQuantArgs {
+  static constexpr std::size_t kValuesPerThread = 16;
+  const void* x;
+  const float* pts;
+  void* delta;
+  std::size_t n, blocks;
+  bool saturates;
+};
+
+template <RealType O, typename I>
+__global__ void fake_quant_nvfp4(FakeQuantArgs a) {
+  using T = typename Out<O>::T;
+  const float pts = __ldg(a.pts);
+  const float d = __fmul_rn(6.0f, pts);
+  const I blocks = static_cast<I>(a.blocks);
+  const I step = static_cast<I>(gridDim.x) * blockDim.x;
+  for (I b = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; b < blocks; b += step) {
+    alignas(16) T t[16];
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + static_cast<std::size_t>(b) * 16);
+#pragma unroll
+    for (int j = 0; j < static_cast<int>(sizeof t / 16); ++j) reinterpret_cast<uint4*>(t)[j] = __ldg(src + j);
+    float v[16];
+    float amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      v[k] = load_real(O, t, k);
+      const float m = fabsf(v[k]);
+      amax = isnan(amax) ? amax : (isnan(m) || m > amax) ? m : amax;
+    }
+    const float q = __fmul_rn(e4m3_value(e4m3_code(__fdiv_rn(amax, d), a.saturates)), pts);
+    const float safe = q > 0.0f ? q : 1.0f;
+    float out[2][kPerThread];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      float z = __fdiv_rn(v[k], safe);
+      if (!isnan(z)) z = fminf(fmaxf(z, -6.0f), 6.0f);
+      const float m = fabsf(z);
+      const std::uint32_t idx = !(0.25f >= m) + !(0.75f >= m) + !(1.25f >= m) + !(1.75f >= m) + !(2.5f >= m) +
+                                !(3.5f >= m) + !(5.0f >= m);
+      const float dq = round_real(O, __fmul_rn(e2m1_value(idx | (z < 0.0f ? 8u : 0u)), q));
+      out[k / kPerThread][k % kPerThread] = __fsub_rn(dq, v[k]);
+    }
+    store8<O>(a.delta, static_cast<std::size_t>(b) * 16, out[0]);
+    store8<O>(a.delta, static_cast<std::size_t>(b) * 16 + kPerThread, out[1]);
+  }
+}
+
 unsigned blocks_for(std::size_t items, unsigned threads) {
   // One item per thread up to 2^16 blocks, then grid-stride.
   return static_cast<unsigned>(std::min<std::size_t>((items + threads - 1) / threads, 1u << 16));
@@ -134,7 +249,7 @@ unsigned blocks_for(std::size_t items, unsigned threads) {
 template <template <RealType, typename> class K, typename Args>
 void launch(const Args& a, RealType out, cudaStream_t stream) {
   constexpr unsigned kThreads = 256;
-  const unsigned blocks = blocks_for(a.n / kPerThread, kThreads);
+  const unsigned blocks = blocks_for(a.n / Args::kValuesPerThread, kThreads);
   if (blocks == 0) return;
   const bool small = a.n < (std::size_t{1} << 31);
   switch (out) {
@@ -157,6 +272,18 @@ template <RealType O, typename I>
 struct UintxKernel {
   static void go(unsigned blocks, unsigned threads, cudaStream_t s, const UintxArgs& a) {
     decode_uintx<O, I><<<blocks, threads, 0, s>>>(a);
+  }
+};
+template <RealType O, typename I>
+struct Nvfp4Kernel {
+  static void go(unsigned blocks, unsigned threads, cudaStream_t s, const Nvfp4Args& a) {
+    decode_nvfp4<O, I><<<blocks, threads, 0, s>>>(a);
+  }
+};
+template <RealType O, typename I>
+struct FakeQuantKernel {
+  static void go(unsigned blocks, unsigned threads, cudaStream_t s, const FakeQuantArgs& a) {
+    fake_quant_nvfp4<O, I><<<blocks, threads, 0, s>>>(a);
   }
 };
 template <RealType O, typename I>
@@ -199,6 +326,28 @@ void decode_codebook_cuda(const CodebookSpec& spec, const std::uint8_t* packed, 
                  spec.bits, shift, spec.scale};
   launch<CodebookKernel>(a, spec.out, static_cast<cudaStream_t>(stream));
   LS_CUDA_CHECK_MSG(cudaGetLastError(), "codebook decode kernel launch failed");
+}
+
+void decode_nvfp4_cuda(const Nvfp4Spec& spec, const std::uint8_t* packed, const std::uint8_t* scales,
+                       const float* pts, void* out, void* stream) {
+  check_nvfp4_spec(spec);
+  check_wide(spec.cols, 16, out);
+  const std::size_t n = spec.rows * spec.cols;
+  Nvfp4Args a{packed, scales, pts, out, n, n / 16};
+  launch<Nvfp4Kernel>(a, spec.out, static_cast<cudaStream_t>(stream));
+  LS_CUDA_CHECK_MSG(cudaGetLastError(), "nvfp4 decode kernel launch failed");
+}
+
+void fake_quant_nvfp4_cuda(const FakeQuantSpec& spec, const void* x, const float* pts, void* delta, void* stream) {
+  check_fake_quant_spec(spec);
+  check_wide(spec.cols, 16, delta);
+  LS_CHECK_ARG(reinterpret_cast<std::uintptr_t>(x) % 16 == 0,
+               "nvfp4 activation quantization on the device: the input must be 16-byte aligned");
+  const std::size_t n = spec.rows * spec.cols;
+  if (n == 0) return;
+  FakeQuantArgs a{x, pts, delta, n, n / 16, spec.e4m3_saturates};
+  launch<FakeQuantKernel>(a, spec.type, static_cast<cudaStream_t>(stream));
+  LS_CUDA_CHECK_MSG(cudaGetLastError(), "nvfp4 activation quantization kernel launch failed");
 }
 
 }  // namespace layerstream

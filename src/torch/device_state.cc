@@ -319,6 +319,7 @@ StateStats DeviceState::stats() {
   s.dequant_own_memory = dequant_counts_[static_cast<int>(DequantUse::kOwnMemory)];
   s.dequant_on_copy = dequant_counts_[static_cast<int>(DequantUse::kOnCopy)];
   s.ostris_decoded = dequant_counts_[static_cast<int>(DequantUse::kOstrisDecoded)];
+  s.ostris_kept_bytes = ostris_kept_bytes_.load();
   s.predictor = predictor_.stats();
   s.vram_budget_planned = recorder_.planned();
   s.vram_budget_room = budget_room_;

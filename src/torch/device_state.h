@@ -217,6 +217,7 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // the caller then queues the end-of-backward join, the others need not.
   bool claim_end_of_backward_join(int task) { return join_task_.exchange(task) != task; }
   void note_dequant(DequantUse use) { ++dequant_counts_[static_cast<int>(use)]; }
+  void note_ostris_kept(std::size_t bytes) { ostris_kept_bytes_ += bytes; }
   StateStats stats();
   std::string describe() const;
 
@@ -288,6 +289,7 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   std::unordered_set<LayerId> to_remake_;
   std::atomic<std::uint64_t> gap_lends_{0};
   std::atomic<std::uint64_t> gap_lent_bytes_{0};
+  std::atomic<std::uint64_t> ostris_kept_bytes_{0};  // stats' ostris_kept_bytes
   // Gaps in a row that took the lent quarter back (reset by a step whose gap before it did not); at
   // kLendsInARow lending stops and the budget plans again with the quarter left free (lend_stopped_ says so
   // in that plan's warning).

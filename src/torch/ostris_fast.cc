@@ -4,7 +4,11 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
+#include <cmath>
+#include <utility>
+#include <vector>
 
+#include "layerstream/check.h"
 #include "layerstream/log.h"
 #include "layerstream/ostris_decode.h"
 #include "settings.h"
@@ -36,7 +40,29 @@ std::string fill(OstrisFast& f, const py::object& module, const py::object& q, c
     auto it = std::find(names.begin(), names.end(), name);
     return it == names.end() ? -1 : static_cast<int>(it - names.begin());
   };
-  if (f.backend == "UIntXQuantizer") {
+  if (f.backend == "Nvfp4Quantizer" || f.backend == "ConvRotQuantizer") {
+    const bool nv = f.backend == "Nvfp4Quantizer";
+    f.format = nv ? OstrisFast::Format::kNvfp4 : OstrisFast::Format::kConvrot4;
+    f.packed = pos(nv ? "nv4_qdata" : "cr_qdata");
+    f.scale = pos(nv ? "nv4_scales" : "cr_scales");
+    f.pts = pos(nv ? "nv4_pts" : "cr_pts");
+    if (nv) f.pre_scale = pos("nv4_pre_scale");
+    if (f.packed < 0 || f.scale < 0 || f.pts < 0) {
+      return nv ? "buffers other than nv4_qdata/_scales/_pts" : "buffers other than cr_qdata/_scales/_pts";
+    }
+    f.group = 16;
+    if (!nv) {
+      f.rot = module.attr("cr_rot_size").cast<std::int64_t>();
+      for (const char* name : {"rotate", "quantize_nvfp4", "dequantize_nvfp4", "_fp4_gemm_supported"}) {
+        if (!helpers.contains(name)) return std::string("no ") + name + " beside its forward";
+      }
+      f.rotate = helpers["rotate"];
+      f.quantize = helpers["quantize_nvfp4"];
+      f.dequantize = helpers["dequantize_nvfp4"];
+      f.fp4_gemm = helpers["_fp4_gemm_supported"];
+      if (f.rot <= 0 || module.attr("in_features").cast<std::int64_t>() % f.rot != 0) return "a rotation block that does not divide a row";
+    }
+  } else if (f.backend == "UIntXQuantizer") {
     f.format = OstrisFast::Format::kUintx;
     f.bits = q.attr("nbits").cast<int>();
     f.group = q.attr("group_size").cast<std::int64_t>();
@@ -91,7 +117,9 @@ OstrisFast recognise_ostris(const py::object& module, const std::vector<std::str
   const std::string where = py::str(cls.attr("__module__"));
   const bool known = (f.backend == "UIntXQuantizer" && ends_with(where, "uintx_quant")) ||
                      (f.backend == "OrbitQuantizer" && ends_with(where, "orbit_quant")) ||
-                     (f.backend == "OrbitVQQuantizer" && ends_with(where, "orbit_vq_quant"));
+                     (f.backend == "OrbitVQQuantizer" && ends_with(where, "orbit_vq_quant")) ||
+                     (f.backend == "Nvfp4Quantizer" && ends_with(where, "nvfp4_quant")) ||
+                     (f.backend == "ConvRotQuantizer" && ends_with(where, "convrot_quant"));
   if (!known) {
     own_forward(f.backend, "a backend layerstream does not decode");
     return OstrisFast{};
@@ -101,7 +129,7 @@ OstrisFast recognise_ostris(const py::object& module, const std::vector<std::str
     return OstrisFast{};
   }
   // The forward the format is known for: the backend class's own, called by OstrisLinear's own. The backend's
-  // helpers (rpbh_forward, get_vq_tables) are those its forward sees: its module's globals.
+  // helpers (rpbh_forward, get_vq_tables, rotate, ...) are those its forward sees: its module's globals.
   const bool own_class = std::string(py::str(py::type::handle_of(module).attr("__name__"))) == "OstrisLinear";
   const bool patched = py::hasattr(q, "__dict__") && py::dict(q.attr("__dict__")).contains("forward");
   if (!own_class || patched) {
@@ -192,19 +220,171 @@ std::string decode_codebook_into(const OstrisFast& f, const std::vector<at::Tens
   return "";
 }
 
+std::string decode_nvfp4_into(const OstrisFast& f, const std::vector<at::Tensor>& staged, at::Tensor& w, RealType out,
+                              [[maybe_unused]] bool on_cuda) {
+  const at::Tensor& packed = staged[static_cast<std::size_t>(f.packed)];
+  const at::Tensor& scales = staged[static_cast<std::size_t>(f.scale)];
+  const at::Tensor& pts = staged[static_cast<std::size_t>(f.pts)];
+  const Nvfp4Spec spec{static_cast<std::size_t>(w.size(0)), static_cast<std::size_t>(w.size(1)), out};
+  if (spec.cols % 16 != 0 || static_cast<std::size_t>(packed.numel()) != spec.rows * spec.cols / 2 ||
+      scales.scalar_type() != at::kByte || static_cast<std::size_t>(scales.numel()) != spec.rows * spec.cols / 16 ||
+      pts.nbytes() != 4 || !pts.is_contiguous() || reinterpret_cast<std::uintptr_t>(pts.data_ptr()) % 4 != 0) {
+    return "buffers whose sizes are not nvfp4's for this layer";
+  }
+  const auto* p = static_cast<const std::uint8_t*>(packed.data_ptr());
+  const auto* sc = static_cast<const std::uint8_t*>(scales.data_ptr());
+  const auto* t = static_cast<const float*>(pts.data_ptr());
+#ifdef LAYERSTREAM_TORCH_CUDA
+  if (on_cuda) {
+    decode_nvfp4_cuda(spec, p, sc, t, w.data_ptr(), stream_of(packed));
+    return "";
+  }
+#endif
+  decode_nvfp4_host(spec, p, sc, t, w.data_ptr());
+  return "";
+}
+
+// Whether torch's float32 -> float8_e4m3fn conversion on `device` saturates from 464 up (recent releases) or
+// gives NaN (older ones); nullopt when it does neither, so the decoder is not the backend's.
+std::optional<bool> e4m3_saturates(const at::Device& device) {
+  const at::Tensor probe = at::tensor(std::vector<float>{500.0f, 470.0f, 448.0f}).to(device);
+  const at::Tensor codes = probe.to(at::kFloat8_e4m3fn).view(at::kByte).cpu();
+  const auto* c = codes.data_ptr<std::uint8_t>();
+  if (c[2] != 0x7e) return std::nullopt;
+  if (c[0] == 0x7e && c[1] == 0x7e) return true;
+  if (c[0] == 0x7f && c[1] == 0x7f) return false;
+  return std::nullopt;
+}
+
+// convrot4's straight-through activation of `x` (detached, contiguous, [rows, cols]): the tensor scale the
+// backend computes from amax |x| (with torch's own operations, so the same float), and delta = x_dq - x.
+struct Activation {
+  at::Tensor pts, delta;
+};
+
+Activation fake_quantize(const at::Tensor& x, bool saturates, [[maybe_unused]] bool on_cuda) {
+  const auto [lo, hi] = at::aminmax(x);
+  at::Tensor pts = at::div(at::maximum(lo.neg(), hi).to(at::kFloat), 6.0 * 448.0);
+  pts = at::where(pts > 0, pts, at::ones_like(pts));
+  at::Tensor delta = at::empty_like(x);
+  const FakeQuantSpec spec{static_cast<std::size_t>(x.size(0)), static_cast<std::size_t>(x.size(1)),
+                           *real_type_of(x.scalar_type()), saturates};
+#ifdef LAYERSTREAM_TORCH_CUDA
+  if (on_cuda) {
+    fake_quant_nvfp4_cuda(spec, x.data_ptr(), pts.data_ptr<float>(), delta.data_ptr(), stream_of(x));
+    return {pts, delta};
+  }
+#endif
+  fake_quant_nvfp4_host(spec, x.data_ptr(), pts.data_ptr<float>(), delta.data_ptr());
+  return {pts, delta};
+}
+
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
+  const at::ScalarType as = a.element_size() == 2 ? at::kShort : a.element_size() == 4 ? at::kInt : at::kByte;
+  return at::equal(a.contiguous().view(as), b.contiguous().view(as));
+}
+
+// A probe of the activation quantization's corners: magnitudes from 2^-30 to 2^10 in blocks of their own
+// (so block scales of every e4m3 exponent, denormal ones included), values of three significant bits (so that
+// x / scale lands exactly on the e2m1 edges), zeros of both signs, whole blocks of zeros; `top` is the
+// largest magnitude (the tensor scale's source).
+at::Tensor activation_probe(const at::TensorOptions& options, float top) {
+  constexpr int kRows = 64, kCols = 64;
+  std::vector<float> v(kRows * kCols);
+  std::uint32_t seed = 12345;
+  auto next = [&] { return seed = seed * 1664525u + 1013904223u; };
+  for (int b = 0; b < kRows * kCols / 16; ++b) {
+    const int e = -30 + (b * 7) % 41;
+    for (int k = 0; k < 16; ++k) {
+      const std::uint32_t r = next() >> 8;
+      float x = std::ldexp(1.0f + static_cast<float>(r % 8) / 8.0f, e - static_cast<int>((r >> 3) % 4));
+      if ((r >> 5) % 7 == 0) x = 0.0f;
+      if (b % 23 == 5) x = 0.0f;
+      v[static_cast<std::size_t>(b * 16 + k)] = ((r >> 8) & 1) ? -x : x;
+    }
+  }
+  v[0] = top;
+  return at::tensor(v).view({kRows, kCols}).to(options);
+}
+
+// The proof of convrot4's activation, once per input type: on this call's input and on the probes, the
+// kernel's delta and tensor scale are bit for bit those of the backend's own quantize_nvfp4 and
+// dequantize_nvfp4; why not, or "".
+std::string activation_differs(const OstrisFast& f, const at::Tensor& x, const Activation& got, bool saturates,
+                               bool on_cuda) {
+  try {
+    const py::object dtype = py::cast(x).attr("dtype");
+    for (int i = 0; i < 3; ++i) {
+      const at::Tensor input = i == 0 ? x : activation_probe(x.options(), i == 1 ? 2688.0f : 937.0f);
+      const Activation mine = i == 0 ? got : fake_quantize(input, saturates, on_cuda);
+      const py::tuple q = f.quantize(input);
+      const at::Tensor x_dq = f.dequantize(q[0], q[1], q[2], input.size(0), input.size(1), dtype).cast<at::Tensor>();
+      if (!same_bits(mine.pts, q[2].cast<at::Tensor>().reshape({})) || !same_bits(mine.delta, at::sub(x_dq, input))) {
+        return "its activation quantized by layerstream differed from its own quantize_nvfp4";
+      }
+    }
+  } catch (py::error_already_set& e) {
+    return std::string("its own quantize_nvfp4 could not be called to check layerstream's: ") + e.what();
+  }
+  return "";
+}
+
 // The proof, once per input type: `w` against the backend's own dequantization of the same staged buffers
 // (swapped into the layer); why they are not the same, or "".
 std::string differs_from_backend(const py::object& module, const OstrisFast& f, const at::Tensor& w, const py::object& x) {
   try {
     const py::object q = module.attr("ostris_quantizer");
-    const py::object want = f.format == OstrisFast::Format::kUintx
-                                ? q.attr("_dequantize_native")(module).attr("to")(x.attr("dtype"))
-                                : q.attr("_dequantize_rotated")(module, x.attr("dtype"));
+    const py::object dtype = x.attr("dtype");
+    py::object want;
+    switch (f.format) {
+      case OstrisFast::Format::kUintx: want = q.attr("_dequantize_native")(module).attr("to")(dtype); break;
+      case OstrisFast::Format::kNvfp4: want = q.attr("_dequantize_weight")(module, dtype); break;
+      default: want = q.attr("_dequantize_rotated")(module, dtype); break;  // codebook, convrot4
+    }
     if (!at::equal(w, want.cast<at::Tensor>())) return "its weight decoded by layerstream differed from its own dequantization";
   } catch (py::error_already_set& e) {
     return std::string("its own dequantization could not be called to check layerstream's: ") + e.what();
   }
   return "";
+}
+
+// convrot4 without fp4 matmuls, as its own forward computes it: the rotated input; in training (x requires
+// grad, in both passes of checkpointing) the straight-through activation x2d + (x_dq - x2d), with delta =
+// x_dq - x2d from the kernel (proved once per input type); then F.linear with the decoded rotated weight.
+std::optional<py::object> convrot4_forward(OstrisFast& fast, const py::object& x, const at::Tensor& xt,
+                                           const at::Tensor& w, const at::Tensor& b, std::int64_t rows,
+                                           std::int64_t cols, bool on_cuda) {
+  const at::Tensor x2d = fast.rotate(x, fast.rot).attr("reshape")(-1, cols).cast<at::Tensor>();
+  at::Tensor input = x2d;
+  if (xt.requires_grad()) {
+    if (fast.saturates < 0) {
+      const std::optional<bool> sat = e4m3_saturates(xt.device());
+      if (!sat) {
+        fast.refused = true;
+        own_forward(fast.backend, "torch's float8_e4m3fn conversion is not one layerstream knows");
+        return std::nullopt;
+      }
+      fast.saturates = *sat ? 1 : 0;
+    }
+    at::Tensor xd = x2d.detach();
+    if (!xd.is_contiguous() || reinterpret_cast<std::uintptr_t>(xd.data_ptr()) % 16 != 0) xd = xd.clone();
+    const Activation a = fake_quantize(xd, fast.saturates == 1, on_cuda);
+    const c10::ScalarType dtype = xt.scalar_type();
+    if (std::find(fast.proven_activation.begin(), fast.proven_activation.end(), dtype) == fast.proven_activation.end()) {
+      const std::string why = activation_differs(fast, xd, a, fast.saturates == 1, on_cuda);
+      if (!why.empty()) {
+        fast.refused = true;
+        own_forward(fast.backend, why);
+        return std::nullopt;
+      }
+      fast.proven_activation.push_back(dtype);
+    }
+    input = at::add(x2d, a.delta);
+  }
+  std::vector<std::int64_t> shape = xt.sizes().vec();
+  shape.back() = rows;
+  return py::cast(at::linear(input, w, b).reshape(shape));
 }
 
 }  // namespace
@@ -219,6 +399,12 @@ std::optional<py::object> ostris_fast_forward(const py::object& module, OstrisFa
   if (!out_type || xt.device() != packed.device()) return std::nullopt;  // (the backend's own call decides)
   const auto rows = module.attr("out_features").cast<std::int64_t>();
   const auto cols = module.attr("in_features").cast<std::int64_t>();
+  const bool convrot = fast.format == OstrisFast::Format::kConvrot4;
+  if (convrot && (xt.numel() == 0 || fast.fp4_gemm(x.attr("device")).cast<bool>())) {
+    // Where the GPU has fp4 matmuls the backend's own forward uses them (nothing of it to decode here).
+    if (xt.numel() != 0) own_forward(fast.backend, "the GPU has fp4 matmuls, which its own forward uses");
+    return std::nullopt;
+  }
   std::string why;
   if (packed.scalar_type() != at::kByte || !packed.is_contiguous() ||
       !staged[static_cast<std::size_t>(fast.scale)].is_contiguous()) {
@@ -228,8 +414,11 @@ std::optional<py::object> ostris_fast_forward(const py::object& module, OstrisFa
   }
   at::Tensor w = at::empty({rows, cols}, packed.options().dtype(xt.scalar_type()));
   if (why.empty()) {
-    why = fast.format == OstrisFast::Format::kUintx ? decode_uintx_into(fast, staged, w, *out_type, decoded_on_cuda)
-                                                    : decode_codebook_into(fast, staged, w, *out_type, x, decoded_on_cuda);
+    switch (fast.format) {
+      case OstrisFast::Format::kUintx: why = decode_uintx_into(fast, staged, w, *out_type, decoded_on_cuda); break;
+      case OstrisFast::Format::kCodebook: why = decode_codebook_into(fast, staged, w, *out_type, x, decoded_on_cuda); break;
+      default: why = decode_nvfp4_into(fast, staged, w, *out_type, decoded_on_cuda); break;
+    }
   }
   const c10::ScalarType dtype = xt.scalar_type();
   if (why.empty() && std::find(fast.proven.begin(), fast.proven.end(), dtype) == fast.proven.end()) {
@@ -243,9 +432,48 @@ std::optional<py::object> ostris_fast_forward(const py::object& module, OstrisFa
   }
   const at::Tensor b = bias.is_none() ? at::Tensor() : bias.cast<at::Tensor>();
   if (fast.format == OstrisFast::Format::kUintx) return py::cast(at::linear(xt, w, b));
+  if (fast.format == OstrisFast::Format::kNvfp4) {
+    // The backend's AWQ input scale, as it applies it: x * pre_scale (its float32 bytes) in x's type.
+    at::Tensor xin = xt;
+    if (fast.pre_scale >= 0) {
+      const at::Tensor& pre = staged[static_cast<std::size_t>(fast.pre_scale)];
+      if (pre.scalar_type() != at::kByte || !pre.is_contiguous() || pre.numel() != cols * 4 ||
+          reinterpret_cast<std::uintptr_t>(pre.data_ptr()) % 4 != 0) {
+        fast.refused = true;
+        own_forward(fast.backend, "an input scale that is not float32 bytes of one value per input");
+        return std::nullopt;
+      }
+      xin = at::mul(xt, pre.view(at::kFloat).to(xt.scalar_type()));
+    }
+    return py::cast(at::linear(xin, w, b));
+  }
+  if (convrot) return convrot4_forward(fast, x, xt, w, b, rows, cols, decoded_on_cuda);
   const py::object x_rot = fast.rotate(x, staged[static_cast<std::size_t>(fast.perm)],
                                        staged[static_cast<std::size_t>(fast.signs)], fast.block);
   return py::cast(at::linear(x_rot.cast<at::Tensor>(), w, b));
+}
+
+std::pair<at::Tensor, at::Tensor> nvfp4_fake_quantize(const at::Tensor& x) {
+  LS_CHECK_ARG(x.dim() == 2 && x.size(1) % 16 == 0 && real_type_of(x.scalar_type()),
+               "nvfp4_fake_quantize takes a float32, float16 or bfloat16 [rows, cols] tensor, cols a multiple of 16");
+  const std::optional<bool> sat = e4m3_saturates(x.device());
+  LS_CHECK(sat.has_value(), "torch's float8_e4m3fn conversion on ", x.device(), " is not one layerstream knows");
+  const at::Tensor xd = x.detach().contiguous().clone();
+  const Activation a = fake_quantize(xd, *sat, x.is_cuda());
+  return {a.pts, a.delta};
+}
+
+at::Tensor nvfp4_decode(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& pts, std::int64_t rows,
+                        std::int64_t cols, c10::ScalarType out) {
+  const auto type = real_type_of(out);
+  LS_CHECK_ARG(type && rows > 0 && cols > 0, "nvfp4_decode: a float32, float16 or bfloat16 output of rows x cols");
+  OstrisFast f;
+  f.packed = 0, f.scale = 1, f.pts = 2;
+  at::Tensor w = at::empty({rows, cols}, packed.options().dtype(out));
+  const std::string why = decode_nvfp4_into(f, {packed.contiguous(), scales.contiguous(), pts.contiguous()}, w, *type,
+                                            packed.is_cuda());
+  LS_CHECK_ARG(why.empty(), "nvfp4_decode: ", why);
+  return w;
 }
 
 }  // namespace layerstream::torchglue

@@ -3,6 +3,10 @@
 // operations (unpacking, casts, gathers, products: each a pass over the whole weight, twice per step under
 // checkpointing). Here one fused kernel (core/ostris_decode.h) builds the same tensor, then the call is the
 // backend's own: F.linear on the input (rotated by the backend's own rpbh_forward for orbit and orbit-VQ).
+// nvfp4 and convrot4 (where the GPU has no fp4 matmul, as the backend itself decides) dequantize with a Triton
+// kernel of AI-Toolkit's; here the weight is decoded straight from the staged buffers (nothing of them is
+// kept past the call), and convrot4's training activation, which the backend quantizes to nvfp4 and back
+// through a chain of about fifteen torch passes, is one kernel plus torch's amax and add.
 //
 // The backend is recognised by its class and module (toolkit.util.<name>_quant) and its buffers; the layer's
 // first call in each input type proves the decoded weight equal, bit for bit, to the one the backend's own
@@ -24,7 +28,7 @@ namespace layerstream::torchglue {
 namespace py = pybind11;
 
 struct OstrisFast {
-  enum class Format : std::uint8_t { kNone, kUintx, kCodebook };
+  enum class Format : std::uint8_t { kNone, kUintx, kCodebook, kNvfp4, kConvrot4 };
   Format format = Format::kNone;
   std::string backend;  // the quantizer's class name, for the log
   int bits = 0;
@@ -33,10 +37,16 @@ struct OstrisFast {
   RealType orig = RealType::kBFloat16;  // uintx: the scale's type (the layer's original one)
   // Positions in LayerManager::buffer_names (-1: none).
   int packed = -1, scale = -1, zero = -1, codebook = -1, perm = -1, signs = -1;
+  int pts = -1, pre_scale = -1;  // nvfp4 and convrot4: the tensor scale; nvfp4's optional AWQ input scale
+  std::int64_t rot = 0;          // convrot4: the rotation's block
+  // convrot4: the backend module's rotate, quantize_nvfp4, dequantize_nvfp4 and _fp4_gemm_supported.
+  py::object quantize, dequantize, fp4_gemm;
   py::object rotate;     // codebook formats: the backend module's rpbh_forward(x, perm, signs, block)
   py::object vq_tables;  // orbit-VQ: the backend module's get_vq_tables(lattice, size, device)
   py::object lattice;
   std::vector<c10::ScalarType> proven;  // input types whose decode equals the backend's own
+  std::int8_t saturates = -1;  // convrot4: whether torch's e4m3 conversion saturates (-1: not asked yet)
+  std::vector<c10::ScalarType> proven_activation;  // convrot4: input types whose activation equals its own
   bool refused = false;                 // a proof failed: this layer runs its own forward from now on
 };
 
@@ -50,5 +60,13 @@ OstrisFast recognise_ostris(const py::object& module, const std::vector<std::str
 std::optional<py::object> ostris_fast_forward(const py::object& module, OstrisFast& fast,
                                               const std::vector<at::Tensor>& staged, const py::object& bias,
                                               const py::object& x, bool decoded_on_cuda);
+
+// The kernels on their own, for the tests (manager_modules._testing), on the tensors' device (CUDA kernels on
+// torch's current stream, or the host references): convrot4's activation quantization of x ([rows, cols],
+// cols a multiple of 16) as (tensor scale, delta = x_dq - x), with torch's e4m3 conversion as it behaves on
+// that device; and an nvfp4 weight ([rows, cols] of `out`).
+std::pair<at::Tensor, at::Tensor> nvfp4_fake_quantize(const at::Tensor& x);
+at::Tensor nvfp4_decode(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& pts, std::int64_t rows,
+                        std::int64_t cols, c10::ScalarType out);
 
 }  // namespace layerstream::torchglue

@@ -7,9 +7,10 @@
 namespace layerstream::torchglue {
 
 // OstrisLinear: the quantized state is in `_buffers` (plus the bias). They are packed into one arena block
-// at attach (the layer's buffers and bias become host views of it); each call stages copies of them onto the
-// device through the engine (pinned, prefetched, out of the ring into torch's allocator), swaps them into
-// the layer for its own forward (its quantizer), then puts the host views back.
+// at attach (the layer's buffers and bias become host views of it); each call fetches them onto the device
+// through the engine (pinned, prefetched), swaps views of the ring region into the layer for its own forward
+// (its quantizer), then puts the host views back; what the forward kept of them (autograd's saved tensors)
+// is copied out of the region before it is released (StreamedLayer::with_staged_tensors).
 //
 // The layer's buffers (then the bias) in the packed order; nullopt when the layer's set of buffers or its
 // bias is not the one packed (a buffer registered, dropped or renamed since: a re-quantization into another
@@ -70,7 +71,6 @@ py::object ostris_forward(const py::object& module, LayerManager& core, const py
   std::optional<c10::cuda::CUDAGuard> guard;
   if (state->mode() == Mode::kCuda) guard.emplace(state->device().index());
 #endif
-  std::vector<at::Tensor> staged = core.layer->stage_tensors();
   py::dict buffers = module.attr("_buffers");
   py::object bias = core.ostris_bias ? py::object(py::dict(module.attr("_parameters"))["bias"]) : py::none();
   auto swap_in = [&](const std::vector<at::Tensor>& tensors) {
@@ -80,18 +80,23 @@ py::object ostris_forward(const py::object& module, LayerManager& core, const py
   // The bias in `host` is the Parameter itself: swapping the staged copy in changes what it holds, so the
   // host data to put back is taken now, as a tensor of its own over the same (arena) storage.
   if (core.ostris_bias) host->back() = host->back().detach();
-  swap_in(staged);
-  try {
-    std::optional<py::object> decoded =
-        ostris_fast_forward(module, core.ostris_fast, staged, bias, x, state->mode() == Mode::kCuda);
-    if (decoded) state->note_dequant(DequantUse::kOstrisDecoded);
-    py::object out = decoded ? *std::move(decoded) : original(x);
+  py::object out;
+  // The staged tensors are views of the ring region: the host views go back in before the region does
+  // (with_staged_tensors then copies out whatever the forward kept of them).
+  core.layer->with_staged_tensors([&](const std::vector<at::Tensor>& staged) {
+    swap_in(staged);
+    try {
+      std::optional<py::object> decoded =
+          ostris_fast_forward(module, core.ostris_fast, staged, bias, x, state->mode() == Mode::kCuda);
+      if (decoded) state->note_dequant(DequantUse::kOstrisDecoded);
+      out = decoded ? *std::move(decoded) : original(x);
+    } catch (...) {
+      swap_in(*host);
+      throw;
+    }
     swap_in(*host);
-    return out;
-  } catch (...) {
-    swap_in(*host);
-    throw;
-  }
+  });
+  return out;
 }
 
 }  // namespace layerstream::torchglue

@@ -178,10 +178,16 @@ class StreamedLayer : public torch::CustomClassHolder {
   // False when a tensor is not the packed view any more (replaced): pack again. One modified in place
   // stays current (its device copy is dropped).
   bool tensors_current(const std::vector<at::Tensor>& tensors);
-  // Device copies of the packed tensors for one call: fetched through the engine (prefetched when
-  // predicted), copied out of the ring on torch's current stream into tensors of torch's allocator (autograd
-  // may keep what the layer's forward makes of them), then the region is released.
-  std::vector<at::Tensor> stage_tensors();
+  // Runs `fn(staged)` for one call of a layer that runs its own forward (OstrisLinear): the packed tensors
+  // are fetched through the engine (prefetched when predicted) and handed over as views of the region
+  // itself (ring or resident), with no copy; the region is released after `fn`. When `fn` returns or
+  // throws, a staged tensor that something still holds (autograd saved it, a view of it lives on) gets
+  // memory of torch's allocator with a copy of its bytes, enqueued on torch's current stream before the
+  // release, so what holds it never sees the region reused; one that `fn` wrote in place drops the layer's
+  // device copy, so the next call copies the host bytes again (stock stages a fresh copy every call). `fn`
+  // must enqueue the kernels that read the views on torch's current stream (the consumer the release
+  // orders after).
+  void with_staged_tensors(const std::function<void(const std::vector<at::Tensor>&)>& fn);
 
   // The managed forward of a layer whose weight takes no gradient (quantized): only x and the bias are
   // autograd inputs.

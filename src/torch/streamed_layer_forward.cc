@@ -5,6 +5,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <array>
+#include <cstring>
+#include <functional>
 #include <optional>
 
 #include "layerstream/check.h"
@@ -166,18 +168,67 @@ at::Tensor StreamedLayer::compute_forward(const at::Tensor& x) {
   });
 }
 
-std::vector<at::Tensor> StreamedLayer::stage_tensors() {
+namespace {
+
+// Whether anything besides `staged` holds `t` or its storage (the view's storage is its own: from_blob).
+bool escaped(const at::Tensor& t) {
+  return t.use_count() > 1 || t.storage().use_count() > 1;
+}
+
+// Moves the bytes of `t`'s storage into memory of torch's allocator (a copy on the current stream, or
+// memcpy on the host), so that every tensor sharing that storage keeps its values after the region goes.
+void own_storage(const at::Tensor& t, bool on_host) {
+  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  const std::size_t bytes = impl->nbytes();
+  const at::TensorOptions bytes_on = at::TensorOptions().dtype(at::kByte).device(t.device());
+  at::Tensor fresh = at::empty({static_cast<std::int64_t>(bytes)}, bytes_on);
+  if (bytes > 0) {
+    if (on_host) {
+      std::memcpy(fresh.data_ptr(), impl->data(), bytes);
+    } else {
+      fresh.copy_(at::from_blob(impl->mutable_data(), {static_cast<std::int64_t>(bytes)}, bytes_on));
+    }
+  }
+  // The fresh tensor's memory goes to the staged storage; the fresh tensor keeps an empty one.
+  impl->set_data_ptr_noswap(fresh.storage().unsafeGetStorageImpl()->set_data_ptr(at::DataPtr(nullptr, t.device())));
+}
+
+}  // namespace
+
+void StreamedLayer::with_staged_tensors(const std::function<void(const std::vector<at::Tensor>&)>& fn) {
 #ifdef LAYERSTREAM_TORCH_CUDA
   std::optional<c10::cuda::CUDAGuard> guard;
   if (state_->mode() == Mode::kCuda) guard.emplace(state_->device().index());
 #endif
-  return with_region([&](const auto& view, bool, const Lease&, StreamHandle) {
-    std::vector<at::Tensor> out;
-    out.reserve(tensors_.size());
-    // Copies out of the ring: the region goes back as soon as they are enqueued.
-    for (const Packed& p : tensors_) out.push_back(view(p).clone());
-    return out;
+  bool written = false;
+  with_region([&](const auto& view, bool on_host, const Lease&, StreamHandle) {
+    std::vector<at::Tensor> staged;
+    staged.reserve(tensors_.size());
+    for (const Packed& p : tensors_) staged.push_back(view(p));
+    // Before the region goes back, on every exit: what outlives the call gets its own copy.
+    auto settle = [&] {
+      for (const at::Tensor& t : staged) {
+        if (!t.defined()) continue;
+        written = written || t._version() != 0;
+        if (escaped(t)) {
+          state_->note_ostris_kept(t.storage().nbytes());
+          own_storage(t, on_host);
+        }
+      }
+    };
+    try {
+      fn(staged);
+    } catch (...) {
+      settle();
+      throw;
+    }
+    settle();
+    return 0;
   });
+  // Written in place by the layer's forward: the region's (or the resident) copy is not the host's any more.
+  if (written) {
+    if (TransferEngine* engine = engine_if_registered()) engine->begin_host_write(id_);
+  }
 }
 
 }  // namespace layerstream::torchglue

@@ -12,6 +12,7 @@
 #include "layerstream/check.h"
 #include "layerstream/log.h"
 #include "layerstream/sim_backend.h"
+#include "ostris_fast.h"
 #include "packed_weight_glue.h"
 #include "streamed_layer.h"
 
@@ -82,6 +83,19 @@ void bind_codecs(py::module_& t) {
       "Where the time of packing weights losslessly went, summed over the process: the weights packed, their "
       "bytes, and seconds copying them to ordinary host memory, building their tables, and allocating and "
       "encoding their arena blocks.");
+  t.def("nvfp4_fake_quantize", &nvfp4_fake_quantize, py::arg("x"),
+        "convrot4's straight-through activation quantization (ostris_decode.h) of a [rows, cols] tensor on its "
+        "device: (the float32 tensor scale, delta = x_dq - x).");
+  t.def(
+      "nvfp4_decode",
+      [](const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& pts, std::int64_t rows,
+         std::int64_t cols, const std::string& out) {
+        return nvfp4_decode(packed, scales, pts, rows, cols, float_dtype_of(out));
+      },
+      py::arg("packed"), py::arg("scales"), py::arg("pts"), py::arg("rows"), py::arg("cols"),
+      py::arg("out") = "bfloat16",
+      "An nvfp4 weight decoded on the tensors' device: uint8 codes [rows, cols/2], e4m3 scale bytes [rows, "
+      "cols/16], the float32 tensor scale as 4 bytes.");
   t.def("decode_blocks", &decode_blocks,
         "The most thread blocks a lossless decode on the derive stream uses (LAYERSTREAM_DECODE_BLOCKS; 0: no "
         "limit).");

@@ -43,7 +43,14 @@ OTHER_WIDTHS = ["uint2", "uint4", "uint5", "uint6", "uint7", "convrotint2", "con
 QTYPES = LAYOUTS + [pytest.param(q, marks=pytest.mark.gpu) for q in OTHER_WIDTHS]
 DTYPE = torch.bfloat16
 # The backends whose weight layerstream decodes itself (src/torch/ostris_fast.h).
-DECODED = ("uint", "orbit")
+DECODED = ("uint", "orbit", "nvfp4")  # (and convrot4 where the GPU has no fp4 matmul: all but sm_100+)
+
+
+def decoded_here(qtype: str, device) -> bool:
+    """Whether layerstream decodes this backend's weight itself (src/torch/ostris_fast.h)."""
+    if qtype == "convrot4":
+        return not (torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10)
+    return qtype.startswith(DECODED)
 
 
 class QuantizedStack(torch.nn.Module):
@@ -151,8 +158,9 @@ def test_backend_streams_as_stored_and_trains_like_stock(engine, device, aitk_di
         assert [[t.data_ptr() for t in stored(lin)] for lin in managed.linears()] == host
         want = unmanaged(x)
         assert torch.equal(stock(x), want) and torch.equal(managed(x), want)
-    # uintx, orbit and orbit-VQ weights are decoded by layerstream (ostris_fast.h), the others by their backend.
-    assert mm.stats()["ostris_decoded"] - decoded == (6 if qtype.startswith(DECODED) else 0)
+    # uintx, orbit, orbit-VQ, nvfp4 and convrot4 weights are decoded by layerstream (ostris_fast.h), the others
+    # by their backend.
+    assert mm.stats()["ostris_decoded"] - decoded == (6 if decoded_here(qtype, device) else 0)
 
     # LoRA training: the losses and every LoRA parameter bitwise stock's and the unmanaged model's.
     # (On a CPU device stock runs the layer's own forward unmanaged: its run is the unmanaged one.)
@@ -163,7 +171,10 @@ def test_backend_streams_as_stored_and_trains_like_stock(engine, device, aitk_di
             continue
         loras = [lo.to(device) for lo in apply_lora(model, dtype=DTYPE)]
         sync = getattr(pkg, "sync_grad_transfers", lambda: None)
+        decoded = mm.stats()["ostris_decoded"]
         runs[name] = (train_lora(model, loras, device, 2, sync, dtype=DTYPE), loras)
+        if name == "layerstream":  # training too (convrot4: its straight-through activation as well)
+            assert (mm.stats()["ostris_decoded"] > decoded) == decoded_here(qtype, device)
     want_losses, want_loras = runs.pop("stock")
     for name, (losses, loras) in runs.items():
         assert losses == want_losses, name
@@ -289,3 +300,31 @@ def test_triton_backends_on_the_second_gpu_while_the_first_is_current(aitk_dir):
         assert torch.equal(model(x), want)
     assert torch.cuda.current_device() == 0
     clear_device_states()
+
+
+@pytest.mark.parametrize("aitk_dir", DIRS)
+def test_convrot4_activation_at_its_corners_trains_like_stock(engine, device, aitk_dir):
+    """convrot4's training activation (quantized to nvfp4 and back by a kernel of layerstream's, proved on the
+    first call): on inputs at the corners of that quantization (tiny and large blocks, exact e2m1 ties, zeros)
+    the outputs and input gradients are bitwise stock's, call after call, and every call is decoded here."""
+    skip_unless_streamed(engine)
+    if not decoded_here("convrot4", device):
+        pytest.skip("this GPU has fp4 matmuls: convrot4 runs its own forward")
+    from test_nvfp4_kernels import corner_activations
+
+    toolkit = OstrisToolkit(aitk_dir)
+    stock, managed = quantized_stack(toolkit, "convrot4"), quantized_stack(toolkit, "convrot4")
+    attached(aitk_dir, "stock", stock, device)
+    attached(aitk_dir, "layerstream", managed, device)
+    decoded = mm.stats()["ostris_decoded"]
+    for seed, top in ((1, None), (2, 2688.0), (3, 937.0)):
+        x = corner_activations(DTYPE, seed, top).view(48, 2, 128).reshape(48, 256).to(device)
+        results = []
+        for model in (stock, managed):
+            xin = x.clone().requires_grad_(True)
+            out = model.a(xin)
+            out.float().square().sum().backward()
+            results.append((out.detach(), xin.grad))
+        (want, want_grad), (got, got_grad) = results
+        assert torch.equal(got, want) and torch.equal(got_grad, want_grad), seed
+    assert mm.stats()["ostris_decoded"] - decoded == 3
