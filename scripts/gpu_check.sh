@@ -32,7 +32,7 @@
 #   pyfiles  the GPU cases (-k cuda) of the test files in LAYERSTREAM_PY_FILES
 #   ostris AI-Toolkit's OstrisLinear quantizers on FLUX.2-shaped under a cap, stock vs layerstream, and the
 #          model all-resident where a group asks ("q1,q2@resident,stock,layerstream"; benchmarks/ostris_bench.py;
-#          LAYERSTREAM_OSTRIS_QTYPES, LAYERSTREAM_OSTRIS_CAP_GB)
+#          LAYERSTREAM_OSTRIS_QTYPES, LAYERSTREAM_OSTRIS_CAP_GB, LAYERSTREAM_OSTRIS_DETERMINISTIC)
 #   mem    memory first: FLUX.1 100% streamed stock vs layerstream's default ring; AI-Toolkit's flow (model on the
 #          GPU before attach, an encoder freed, samples, buckets) under 24 GiB: resident, layerstream auto, stock at
 #          0.5, and layerstream auto with 4 GiB taken by the user between steps (LAYERSTREAM_MEM_RUNS picks;
@@ -660,9 +660,11 @@ if want ostris; then
   # group of LAYERSTREAM_OSTRIS_QTYPES (space-separated groups of comma-separated qtypes; about 1.5-2 minutes per
   # qtype and mode; a group's own modes after '@', as in "convrot4,nvfp4@resident,stock,layerstream": resident is
   # the model whole on the GPU without a manager or cap, the floor of compute), cap LAYERSTREAM_OSTRIS_CAP_GB
-  # (default 24).
+  # (default 24); LAYERSTREAM_OSTRIS_DETERMINISTIC=1 runs them with deterministic kernels (losses bit for bit).
   ensure_installed
   n=0
+  OSTRIS_DET=()
+  [[ ${LAYERSTREAM_OSTRIS_DETERMINISTIC:-0} == 1 ]] && OSTRIS_DET=(--deterministic)
   for spec in ${LAYERSTREAM_OSTRIS_QTYPES:-uint4,convrot8 nvfp4,orbit4 orbitvq4}; do
     n=$((n + 1))
     group=${spec%%@*} modes=stock,layerstream
@@ -670,7 +672,7 @@ if want ostris; then
     step "OstrisLinear $group on FLUX.2-shaped under ${LAYERSTREAM_OSTRIS_CAP_GB:-24} GiB: $modes"
     run "ostris_$n" python3 benchmarks/ostris_bench.py --preset flux2 --qtypes "$group" --modes "$modes" \
       --cap-gb "${LAYERSTREAM_OSTRIS_CAP_GB:-24}" --warmup 2 --steps 3 --aitk-dir "${AI_TOOLKIT_DIR%%:*}" \
-      --json-out "$OUT/ostris_$n.json" --md-out "$OUT/ostris_$n.md"
+      --json-out "$OUT/ostris_$n.json" --md-out "$OUT/ostris_$n.md" "${OSTRIS_DET[@]}"
     grep -E "^\|" "$OUT/ostris_$n.md" 2>/dev/null | sed 's/^/      /' >>"$OUT/summary.txt"
   done
 fi
