@@ -72,7 +72,7 @@
   X(std::uint64_t, dequant_reused)                                                                     \
   X(std::uint64_t, dequant_own_memory)                                                                 \
   X(std::uint64_t, dequant_on_copy)                                                                    \
-  /* OstrisLinear calls whose weight layerstream decoded (uintx, orbit, orbit-VQ) in one kernel */      \
+  /* OstrisLinear calls whose weight layerstream decoded (uintx, orbit/VQ, nvfp4, convrot4) itself */     \
   X(std::uint64_t, ostris_decoded)                                                                     \
   /* bytes of OstrisLinear buffers its forward read in place that outlived the call (autograd kept */   \
   /* them), copied out of the ring (StreamedLayer::with_staged_tensors) */                              \
