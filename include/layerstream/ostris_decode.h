@@ -94,9 +94,8 @@ void check_codebook_spec(const CodebookSpec& spec);
 void check_nvfp4_spec(const Nvfp4Spec& spec);
 void check_fake_quant_spec(const FakeQuantSpec& spec);
 
-// torch's float32 -> float8_e4m3fn conversion (see above), and back.
+// torch's float32 -> float8_e4m3fn conversion (see above); back is dequant.h's decode_code.
 std::uint8_t e4m3_from_float(float v, bool saturates);
-float e4m3_to_float(std::uint8_t code);
 
 void decode_uintx_host(const UintxSpec& spec, const std::uint8_t* packed, const void* scale,
                        const std::uint8_t* zero, void* out);

@@ -67,19 +67,6 @@ std::uint8_t e4m3_from_float(float v, bool saturates) {
   return static_cast<std::uint8_t>(r | (sign >> 24));
 }
 
-float e4m3_to_float(std::uint8_t code) {
-  const int e = (code >> 3) & 15, m = code & 7;
-  float v;
-  if (e == 15 && m == 7) {
-    v = std::numeric_limits<float>::quiet_NaN();
-  } else if (e == 0) {
-    v = std::ldexp(static_cast<float>(m), -9);
-  } else {
-    v = std::ldexp(1.0f + static_cast<float>(m) / 8.0f, e - 7);
-  }
-  return (code & 0x80) ? -v : v;
-}
-
 std::array<std::size_t, 4> uintx_shard_bytes(const UintxSpec& spec) {
   std::array<std::size_t, 4> bytes{};
   for (std::size_t s = 0; s < bytes.size(); ++s) {
@@ -181,7 +168,7 @@ void decode_nvfp4_host(const Nvfp4Spec& spec, const std::uint8_t* packed, const 
   const std::size_t n = spec.rows * spec.cols, osize = real_size(spec.out);
   for (std::size_t i = 0; i < n; ++i) {
     const std::uint8_t code = static_cast<std::uint8_t>((packed[i / 2] >> ((i & 1) * 4)) & 15);
-    const float sp = e4m3_to_float(scales[i / kNvfp4Block]) * p;
+    const float sp = decode_code(CodeType::kFloat8E4M3, scales[i / kNvfp4Block]) * p;
     const float v = (code & 8) ? -kE2m1[code & 7] : kE2m1[code & 7];
     store_real(spec.out, v * sp, o + i * osize);
   }
@@ -202,7 +189,7 @@ void fake_quant_nvfp4_host(const FakeQuantSpec& spec, const void* x, const float
       v[k] = decode_real(spec.type, in + (b * kNvfp4Block + k) * size);
       amax = nan_max(amax, std::fabs(v[k]));
     }
-    const float q = e4m3_to_float(e4m3_from_float(amax / d, spec.e4m3_saturates)) * p;
+    const float q = decode_code(CodeType::kFloat8E4M3, e4m3_from_float(amax / d, spec.e4m3_saturates)) * p;
     const float safe = q > 0.0f ? q : 1.0f;
     for (std::size_t k = 0; k < kNvfp4Block; ++k) {
       float z = v[k] / safe;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <utility>
 #include <vector>
 
@@ -245,15 +246,19 @@ std::string decode_nvfp4_into(const OstrisFast& f, const std::vector<at::Tensor>
 }
 
 // Whether torch's float32 -> float8_e4m3fn conversion on `device` saturates from 464 up (recent releases) or
-// gives NaN (older ones); nullopt when it does neither, so the decoder is not the backend's.
+// gives NaN (older ones); nullopt when it does neither, so the decoder is not the backend's. Asked once per
+// device (callers hold the GIL, which guards the cache).
 std::optional<bool> e4m3_saturates(const at::Device& device) {
+  static std::map<std::pair<int, int>, std::optional<bool>> known;
+  const std::pair<int, int> key{static_cast<int>(device.type()), device.index()};
+  if (auto it = known.find(key); it != known.end()) return it->second;
   const at::Tensor probe = at::tensor(std::vector<float>{500.0f, 470.0f, 448.0f}).to(device);
   const at::Tensor codes = probe.to(at::kFloat8_e4m3fn).view(at::kByte).cpu();
   const auto* c = codes.data_ptr<std::uint8_t>();
-  if (c[2] != 0x7e) return std::nullopt;
-  if (c[0] == 0x7e && c[1] == 0x7e) return true;
-  if (c[0] == 0x7f && c[1] == 0x7f) return false;
-  return std::nullopt;
+  std::optional<bool> answer;
+  if (c[2] == 0x7e && c[0] == 0x7e && c[1] == 0x7e) answer = true;
+  if (c[2] == 0x7e && c[0] == 0x7f && c[1] == 0x7f) answer = false;
+  return known[key] = answer;
 }
 
 // convrot4's straight-through activation of `x` (detached, contiguous, [rows, cols]): the tensor scale the
@@ -358,21 +363,18 @@ std::optional<py::object> convrot4_forward(OstrisFast& fast, const py::object& x
   const at::Tensor x2d = fast.rotate(x, fast.rot).attr("reshape")(-1, cols).cast<at::Tensor>();
   at::Tensor input = x2d;
   if (xt.requires_grad()) {
-    if (fast.saturates < 0) {
-      const std::optional<bool> sat = e4m3_saturates(xt.device());
-      if (!sat) {
-        fast.refused = true;
-        own_forward(fast.backend, "torch's float8_e4m3fn conversion is not one layerstream knows");
-        return std::nullopt;
-      }
-      fast.saturates = *sat ? 1 : 0;
+    const std::optional<bool> saturates = e4m3_saturates(xt.device());
+    if (!saturates) {
+      fast.refused = true;
+      own_forward(fast.backend, "torch's float8_e4m3fn conversion is not one layerstream knows");
+      return std::nullopt;
     }
     at::Tensor xd = x2d.detach();
     if (!xd.is_contiguous() || reinterpret_cast<std::uintptr_t>(xd.data_ptr()) % 16 != 0) xd = xd.clone();
-    const Activation a = fake_quantize(xd, fast.saturates == 1, on_cuda);
+    const Activation a = fake_quantize(xd, *saturates, on_cuda);
     const c10::ScalarType dtype = xt.scalar_type();
     if (std::find(fast.proven_activation.begin(), fast.proven_activation.end(), dtype) == fast.proven_activation.end()) {
-      const std::string why = activation_differs(fast, xd, a, fast.saturates == 1, on_cuda);
+      const std::string why = activation_differs(fast, xd, a, *saturates, on_cuda);
       if (!why.empty()) {
         fast.refused = true;
         own_forward(fast.backend, why);

@@ -45,7 +45,6 @@ struct OstrisFast {
   py::object vq_tables;  // orbit-VQ: the backend module's get_vq_tables(lattice, size, device)
   py::object lattice;
   std::vector<c10::ScalarType> proven;  // input types whose decode equals the backend's own
-  std::int8_t saturates = -1;  // convrot4: whether torch's e4m3 conversion saturates (-1: not asked yet)
   std::vector<c10::ScalarType> proven_activation;  // convrot4: input types whose activation equals its own
   bool refused = false;                 // a proof failed: this layer runs its own forward from now on
 };
