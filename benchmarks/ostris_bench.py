@@ -173,10 +173,20 @@ def run_one(args, qtype: str, mode: str, device: torch.device) -> dict:
 
         return float(manager_modules.stats().get("copy_wait_us", 0))
 
-    losses, times, start_bytes, start_wait = [], [], 0, None
+    def ostris_counts() -> dict:
+        """layerstream's calls that decoded (or did the backward) themselves, and the staged bytes that outlived
+        their call (copied out of the ring), so far."""
+        if mode != "layerstream":
+            return {}
+        from layerstream import manager_modules
+
+        stats = manager_modules.stats()
+        return {k: stats[k] for k in ("ostris_decoded", "ostris_kept_bytes")}
+
+    losses, times, start_bytes, start_wait, start_counts = [], [], 0, None, {}
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
-            start_bytes, start_wait = moved(), waited_us()
+            start_bytes, start_wait, start_counts = moved(), waited_us(), ostris_counts()
         sync(device)
         t = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -199,6 +209,8 @@ def run_one(args, qtype: str, mode: str, device: torch.device) -> dict:
         "copy_wait_ms_per_step": None if start_wait is None else (waited_us() - start_wait) / 1e3 / len(times),
         "peak_rss_bytes": peak_rss_bytes(), "peak_vram_allocated_bytes": None, "peak_vram_reserved_bytes": None,
     }
+    for key, value in ostris_counts().items():
+        row[f"{key}_per_step"] = (value - start_counts[key]) / len(times)
     if device.type == "cuda":
         row["peak_vram_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         row["peak_vram_reserved_bytes"] = torch.cuda.max_memory_reserved(device)

@@ -1,4 +1,4 @@
-// Decoders for three of AI-Toolkit's OstrisLinear weight formats (toolkit/util/*_quant.py at 27a03a91), so that
+// Decoders for AI-Toolkit's OstrisLinear weight formats (toolkit/util/*_quant.py at 27a03a91), so that
 // a streamed layer's weight is built by one fused kernel instead of the backend's chain of torch operations
 // (each a full pass over the weight, several per call). The result is bit for bit the weight the backend's
 // own forward builds; the glue proves that on each layer's first call before it uses the decoder there.
@@ -33,6 +33,20 @@
 //   through the maxima and the clamp, and e4m3(v) is torch's conversion: nearest even, a NaN to 0x7f, and
 //   from 464 up either 448 (`e4m3_saturates`, as recent torch releases do) or NaN (as older ones do; the glue
 //   asks the running torch which).
+//
+// And the weight the ConvRot int backends' training backward multiplies the gradient by (convrot8,
+// convrotint2..8, convrotbitnet, convrotcomfyw4a4: their forward is an int8 matmul, their backward the
+// straight-through `grad @ (code8 * scale[r])`), from the stored codes:
+//   int8:     one int8 code per value (convrot8).
+//   bitfield: codes of `bits` bits (2..8), eight of them along a row in `bits` bytes: the bytes are one
+//             little-endian word, code j its bits [j*bits, j*bits + bits), offset by qmax = 2^(bits-1) - 1
+//             (code = field - qmax). A row is cols / 8 * bits bytes.
+//   ternary:  five codes per byte in base 3 (digit j = byte / 3^j % 3, code = digit - 1); a row is
+//             ceil(cols / 5) bytes (convrotbitnet).
+//   With float32 ratios, one per `group` columns of a row (the widths up to 7 bits, bitnet), the code is put on
+//   the row's int8 grid first: code8 = clamp(rint(float(code) * ratio[r, c / group]), -127, 127); else
+//   code8 = code. Then, with one float32 scale per row:
+//     w[r, c] = to_out( float(code8) * float(to_out(scale[r])) )   (the product is exact in float; one rounding)
 //
 // Two implementations with identical results: the host reference (the sim backend computes with it, so CI
 // runs it) and the CUDA kernels (one thread per output value; read the packed bytes once, write the weight
@@ -75,6 +89,16 @@ struct Nvfp4Spec {
   RealType out = RealType::kBFloat16;
 };
 
+struct IntRowsSpec {
+  enum class Codes : std::uint8_t { kInt8, kBitfield, kTernary };
+  std::size_t rows = 0;
+  std::size_t cols = 0;     // a multiple of 8 for bitfield codes
+  Codes codes = Codes::kInt8;
+  int bits = 8;             // bitfield: 2..8
+  std::size_t group = 0;    // columns per ratio; 0: no ratios
+  RealType out = RealType::kBFloat16;
+};
+
 struct FakeQuantSpec {
   std::size_t rows = 0;
   std::size_t cols = 0;  // a multiple of 16
@@ -87,12 +111,14 @@ struct FakeQuantSpec {
 std::array<std::size_t, 4> uintx_shard_bytes(const UintxSpec& spec);
 std::size_t uintx_packed_bytes(const UintxSpec& spec);
 std::size_t codebook_packed_bytes(const CodebookSpec& spec);
+std::size_t int_rows_packed_bytes(const IntRowsSpec& spec);
 
 // Throw InvalidArgument naming what is wrong when a spec is not one of the formats above.
 void check_uintx_spec(const UintxSpec& spec);
 void check_codebook_spec(const CodebookSpec& spec);
 void check_nvfp4_spec(const Nvfp4Spec& spec);
 void check_fake_quant_spec(const FakeQuantSpec& spec);
+void check_int_rows_spec(const IntRowsSpec& spec);
 
 // torch's float32 -> float8_e4m3fn conversion (see above); back is dequant.h's decode_code.
 std::uint8_t e4m3_from_float(float v, bool saturates);
@@ -107,6 +133,10 @@ void decode_codebook_host(const CodebookSpec& spec, const std::uint8_t* packed, 
 void decode_nvfp4_host(const Nvfp4Spec& spec, const std::uint8_t* packed, const std::uint8_t* scales,
                        const float* pts, void* out);
 void fake_quant_nvfp4_host(const FakeQuantSpec& spec, const void* x, const float* pts, void* delta);
+// `ratio` rows * (cols / group) floats (null when spec.group is 0), `scale` rows floats; both any alignment on
+// the host (byte views of the backend's buffers), 4-byte aligned on the device.
+void decode_int_rows_host(const IntRowsSpec& spec, const std::uint8_t* packed, const float* ratio, const float* scale,
+                          void* out);
 
 #ifdef LAYERSTREAM_WITH_CUDA
 // Enqueue the kernel on `stream` (a cudaStream_t) of the current device; return at once.
@@ -118,6 +148,8 @@ void decode_codebook_cuda(const CodebookSpec& spec, const std::uint8_t* packed, 
 void decode_nvfp4_cuda(const Nvfp4Spec& spec, const std::uint8_t* packed, const std::uint8_t* scales,
                        const float* pts, void* out, void* stream);
 void fake_quant_nvfp4_cuda(const FakeQuantSpec& spec, const void* x, const float* pts, void* delta, void* stream);
+void decode_int_rows_cuda(const IntRowsSpec& spec, const std::uint8_t* packed, const float* ratio, const float* scale,
+                          void* out, void* stream);
 #endif
 
 }  // namespace layerstream

@@ -87,6 +87,15 @@ std::size_t codebook_packed_bytes(const CodebookSpec& spec) {
   return ceil_div(spec.rows * spec.cols / spec.vec_dim, 8) * static_cast<std::size_t>(spec.bits);
 }
 
+std::size_t int_rows_packed_bytes(const IntRowsSpec& spec) {
+  switch (spec.codes) {
+    case IntRowsSpec::Codes::kInt8: return spec.rows * spec.cols;
+    case IntRowsSpec::Codes::kBitfield: return spec.rows * (spec.cols / 8) * static_cast<std::size_t>(spec.bits);
+    case IntRowsSpec::Codes::kTernary: return spec.rows * ceil_div(spec.cols, 5);
+  }
+  return 0;
+}
+
 void check_uintx_spec(const UintxSpec& spec) {
   LS_CHECK_ARG(spec.rows > 0 && spec.cols > 0, "uintx decode: empty weight (", spec.rows, " x ", spec.cols, ")");
   LS_CHECK_ARG(spec.bits >= 2 && spec.bits <= 8, "uintx decode: ", spec.bits, " bits (2 to 8 are the format's)");
@@ -112,6 +121,66 @@ void check_nvfp4_spec(const Nvfp4Spec& spec) {
 void check_fake_quant_spec(const FakeQuantSpec& spec) {
   LS_CHECK_ARG(spec.cols > 0 && spec.cols % kNvfp4Block == 0, "nvfp4 activation quantization: rows of ", spec.cols,
                " values (a multiple of 16 is the format's)");
+}
+
+void check_int_rows_spec(const IntRowsSpec& spec) {
+  LS_CHECK_ARG(spec.rows > 0 && spec.cols > 0, "int rows decode: empty weight (", spec.rows, " x ", spec.cols, ")");
+  if (spec.codes == IntRowsSpec::Codes::kBitfield) {
+    LS_CHECK_ARG(spec.bits >= 2 && spec.bits <= 8, "int rows decode: ", spec.bits, " bits (2 to 8 are the format's)");
+    LS_CHECK_ARG(spec.cols % 8 == 0, "int rows decode: rows of ", spec.cols,
+                 " bitfield codes (a multiple of 8 is the format's)");
+  }
+  LS_CHECK_ARG(spec.group == 0 || spec.cols % spec.group == 0, "int rows decode: groups of ", spec.group,
+               " do not divide rows of ", spec.cols);
+}
+
+namespace {
+
+// The code of value c of row r (before the ratio), as the backend's unpack computes it.
+int int_rows_code(const IntRowsSpec& spec, const std::uint8_t* packed, std::size_t r, std::size_t c) {
+  switch (spec.codes) {
+    case IntRowsSpec::Codes::kInt8: return static_cast<std::int8_t>(packed[r * spec.cols + c]);
+    case IntRowsSpec::Codes::kBitfield: {
+      const auto bits = static_cast<std::size_t>(spec.bits);
+      const std::uint8_t* word = packed + (r * (spec.cols / 8) + c / 8) * bits;
+      std::uint64_t w = 0;
+      for (std::size_t b = 0; b < bits; ++b) w |= static_cast<std::uint64_t>(word[b]) << (8 * b);
+      const int field = static_cast<int>((w >> (bits * (c % 8))) & ((std::uint64_t{1} << bits) - 1));
+      return field - ((1 << (spec.bits - 1)) - 1);
+    }
+    case IntRowsSpec::Codes::kTernary: {
+      static constexpr int kPow3[5] = {1, 3, 9, 27, 81};
+      const int byte = packed[r * ceil_div(spec.cols, 5) + c / 5];
+      return byte / kPow3[c % 5] % 3 - 1;
+    }
+  }
+  return 0;
+}
+
+float load_float(const float* p, std::size_t i) {
+  float v;
+  std::memcpy(&v, p + i, sizeof v);  // (byte views of the backend's buffers: any alignment)
+  return v;
+}
+
+}  // namespace
+
+void decode_int_rows_host(const IntRowsSpec& spec, const std::uint8_t* packed, const float* ratio, const float* scale,
+                          void* out) {
+  check_int_rows_spec(spec);
+  auto* o = static_cast<unsigned char*>(out);
+  const std::size_t osize = real_size(spec.out), groups = spec.group ? spec.cols / spec.group : 0;
+  for (std::size_t r = 0; r < spec.rows; ++r) {
+    const float sc = round_to(spec.out, load_float(scale, r));
+    for (std::size_t c = 0; c < spec.cols; ++c) {
+      auto code = static_cast<float>(int_rows_code(spec, packed, r, c));
+      if (spec.group) {
+        code = std::nearbyint(code * load_float(ratio, r * groups + c / spec.group));
+        code = std::fmin(std::fmax(code, -127.0f), 127.0f);  // (as the device's fminf/fmaxf)
+      }
+      store_real(spec.out, code * sc, o + (r * spec.cols + c) * osize);
+    }
+  }
 }
 
 void decode_uintx_host(const UintxSpec& spec, const std::uint8_t* packed, const void* scale,

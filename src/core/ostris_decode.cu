@@ -240,6 +240,71 @@ __global__ void fake_quant_nvfp4(FakeQuantArgs a) {
   }
 }
 
+// ConvRot int rows (ostris_decode.h): eight values of one row per thread (cols and the ratio group are
+// multiples of 8), so one scale and at most one ratio per thread.
+struct IntRowsArgs {
+  static constexpr std::size_t kValuesPerThread = kPerThread;
+  const std::uint8_t* packed;
+  const float* ratio;  // null: no ratios
+  const float* scale;
+  void* out;
+  std::size_t n, cols, group;
+  IntRowsSpec::Codes codes;
+  int bits;
+};
+
+template <RealType O, typename I>
+__global__ void decode_int_rows(IntRowsArgs a) {
+  const I n8 = static_cast<I>(a.n / kPerThread), cols = static_cast<I>(a.cols);
+  const I step = static_cast<I>(gridDim.x) * blockDim.x;
+  const int qmax = (1 << (a.bits - 1)) - 1;
+  for (I t = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; t < n8; t += step) {
+    const I i0 = t * kPerThread, r = i0 / cols, c0 = i0 - r * cols;
+    int code[kPerThread];
+    if (a.codes == IntRowsSpec::Codes::kInt8) {
+      const uint2 raw = __ldg(reinterpret_cast<const uint2*>(a.packed) + t);
+#pragma unroll
+      for (int k = 0; k < kPerThread; ++k) {
+        code[k] = static_cast<std::int8_t>(((k < 4 ? raw.x : raw.y) >> (8 * (k % 4))) & 0xffu);
+      }
+    } else if (a.codes == IntRowsSpec::Codes::kBitfield) {
+      // The eight codes are the thread's word: bytes [t * bits, t * bits + bits) (rows hold whole words).
+      const std::uint8_t* word = a.packed + static_cast<std::size_t>(t) * static_cast<std::size_t>(a.bits);
+      unsigned long long w = 0;
+      for (int b = 0; b < a.bits; ++b) w |= static_cast<unsigned long long>(__ldg(word + b)) << (8 * b);
+      const unsigned long long mask = (1ull << a.bits) - 1ull;
+#pragma unroll
+      for (int k = 0; k < kPerThread; ++k) code[k] = static_cast<int>((w >> (a.bits * k)) & mask) - qmax;
+    } else {
+      const std::uint8_t* row = a.packed + static_cast<std::size_t>(r) * static_cast<std::size_t>((a.cols + 4) / 5);
+#pragma unroll
+      for (int k = 0; k < kPerThread; ++k) {
+        const I c = c0 + static_cast<I>(k);
+        const I q = c / 5;
+        const unsigned byte = __ldg(row + q);
+        const unsigned j = static_cast<unsigned>(c - q * 5);
+        const unsigned p3 = j == 0 ? 1u : j == 1 ? 3u : j == 2 ? 9u : j == 3 ? 27u : 81u;
+        code[k] = static_cast<int>(byte / p3 % 3u) - 1;
+      }
+    }
+    const float sc = round_real(O, __ldg(a.scale + r));
+    float v[kPerThread];
+    if (a.ratio != nullptr) {
+      const I groups = cols / static_cast<I>(a.group);
+      const float ratio = __ldg(a.ratio + r * groups + c0 / static_cast<I>(a.group));
+#pragma unroll
+      for (int k = 0; k < kPerThread; ++k) {
+        const float c8 = fminf(fmaxf(rintf(__fmul_rn(static_cast<float>(code[k]), ratio)), -127.0f), 127.0f);
+        v[k] = __fmul_rn(c8, sc);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kPerThread; ++k) v[k] = __fmul_rn(static_cast<float>(code[k]), sc);
+    }
+    store8<O>(a.out, i0, v);
+  }
+}
+
 unsigned blocks_for(std::size_t items, unsigned threads) {
   // One item per thread up to 2^16 blocks, then grid-stride.
   return static_cast<unsigned>(std::min<std::size_t>((items + threads - 1) / threads, 1u << 16));
@@ -290,6 +355,13 @@ template <RealType O, typename I>
 struct CodebookKernel {
   static void go(unsigned blocks, unsigned threads, cudaStream_t s, const CodebookArgs& a) {
     decode_codebook<O, I><<<blocks, threads, 0, s>>>(a);
+  }
+};
+
+template <RealType O, typename I>
+struct IntRowsKernel {
+  static void go(unsigned blocks, unsigned threads, cudaStream_t s, const IntRowsArgs& a) {
+    decode_int_rows<O, I><<<blocks, threads, 0, s>>>(a);
   }
 };
 
@@ -348,6 +420,19 @@ void fake_quant_nvfp4_cuda(const FakeQuantSpec& spec, const void* x, const float
   FakeQuantArgs a{x, pts, delta, n, n / 16, spec.e4m3_saturates};
   launch<FakeQuantKernel>(a, spec.type, static_cast<cudaStream_t>(stream));
   LS_CUDA_CHECK_MSG(cudaGetLastError(), "nvfp4 activation quantization kernel launch failed");
+}
+
+void decode_int_rows_cuda(const IntRowsSpec& spec, const std::uint8_t* packed, const float* ratio, const float* scale,
+                          void* out, void* stream) {
+  check_int_rows_spec(spec);
+  check_wide(spec.cols, spec.group ? spec.group : 8, out);
+  LS_CHECK_ARG((spec.group == 0) == (ratio == nullptr), "int rows decode: ratios go with a group and only with one");
+  LS_CHECK_ARG(reinterpret_cast<std::uintptr_t>(scale) % 4 == 0 && reinterpret_cast<std::uintptr_t>(ratio) % 4 == 0 &&
+                   (spec.codes != IntRowsSpec::Codes::kInt8 || reinterpret_cast<std::uintptr_t>(packed) % 8 == 0),
+               "int rows decode on the device: scales and ratios 4-byte aligned, int8 codes 8-byte aligned");
+  IntRowsArgs a{packed, ratio, scale, out, spec.rows * spec.cols, spec.cols, spec.group, spec.codes, spec.bits};
+  launch<IntRowsKernel>(a, spec.out, static_cast<cudaStream_t>(stream));
+  LS_CUDA_CHECK_MSG(cudaGetLastError(), "int rows decode kernel launch failed");
 }
 
 }  // namespace layerstream

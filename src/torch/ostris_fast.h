@@ -18,6 +18,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "layerstream/dequant.h"
+#include "layerstream/ostris_decode.h"
 
 #include <optional>
 #include <string>
@@ -28,7 +29,7 @@ namespace layerstream::torchglue {
 namespace py = pybind11;
 
 struct OstrisFast {
-  enum class Format : std::uint8_t { kNone, kUintx, kCodebook, kNvfp4, kConvrot4 };
+  enum class Format : std::uint8_t { kNone, kUintx, kCodebook, kNvfp4, kConvrot4, kConvrotInt };
   Format format = Format::kNone;
   std::string backend;  // the quantizer's class name, for the log
   int bits = 0;
@@ -38,7 +39,11 @@ struct OstrisFast {
   // Positions in LayerManager::buffer_names (-1: none).
   int packed = -1, scale = -1, zero = -1, codebook = -1, perm = -1, signs = -1;
   int pts = -1, pre_scale = -1;  // nvfp4 and convrot4: the tensor scale; nvfp4's optional AWQ input scale
-  std::int64_t rot = 0;          // convrot4: the rotation's block
+  std::int64_t rot = 0;          // convrot4 and the convrot int backends: the rotation's block
+  int ratio = -1;                // convrot int: the group ratios (none for 8 bits)
+  IntRowsSpec::Codes codes = IntRowsSpec::Codes::kInt8;  // convrot int: how the codes are stored
+  std::int64_t ratio_group = 0;  // convrot int: columns per ratio (0: none)
+  py::object int8_gemm;          // convrot int: the backend module's _int8_gemm_supported
   // convrot4: the backend module's rotate, quantize_nvfp4, dequantize_nvfp4 and _fp4_gemm_supported.
   py::object quantize, dequantize, fp4_gemm;
   py::object rotate;     // codebook formats: the backend module's rpbh_forward(x, perm, signs, block)
@@ -48,6 +53,12 @@ struct OstrisFast {
   std::vector<c10::ScalarType> proven_activation;  // convrot4: input types whose activation equals its own
   bool refused = false;                 // a proof failed: this layer runs its own forward from now on
 };
+
+// A tensor of its own over `t`'s storage (same offset, sizes, strides; not a view of `t`), or `t` undefined. What
+// the layer's forward and autograd are handed of a staged tensor: whatever keeps one holds the storage, which is
+// what StreamedLayer::with_staged_tensors looks at. (Handing the staged tensor itself would not do: once torch
+// has made a Python object for a tensor, that object may hold it for as long as the tensor lives.)
+at::Tensor over_storage(const at::Tensor& t);
 
 // What this layer's backend is, from its class, attributes and buffers (in the packed order `names`).
 OstrisFast recognise_ostris(const py::object& module, const std::vector<std::string>& names);
@@ -67,5 +78,9 @@ std::optional<py::object> ostris_fast_forward(const py::object& module, OstrisFa
 std::pair<at::Tensor, at::Tensor> nvfp4_fake_quantize(const at::Tensor& x);
 at::Tensor nvfp4_decode(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& pts, std::int64_t rows,
                         std::int64_t cols, c10::ScalarType out);
+// A convrot int weight ([rows, cols] of `out`): `codes` "int8", "bitfield" (`bits` 2..8) or "ternary"; float32
+// row scales and optional float32 group ratios (their count per row gives the group), any dtype of those bytes.
+at::Tensor int_rows_decode(const at::Tensor& packed, const std::optional<at::Tensor>& ratio, const at::Tensor& scales,
+                           std::int64_t rows, std::int64_t cols, const std::string& codes, int bits, c10::ScalarType out);
 
 }  // namespace layerstream::torchglue

@@ -96,6 +96,16 @@ void bind_codecs(py::module_& t) {
       py::arg("out") = "bfloat16",
       "An nvfp4 weight decoded on the tensors' device: uint8 codes [rows, cols/2], e4m3 scale bytes [rows, "
       "cols/16], the float32 tensor scale as 4 bytes.");
+  t.def(
+      "int_rows_decode",
+      [](const at::Tensor& packed, const std::optional<at::Tensor>& ratio, const at::Tensor& scales, std::int64_t rows,
+         std::int64_t cols, const std::string& codes, int bits, const std::string& out) {
+        return int_rows_decode(packed, ratio, scales, rows, cols, codes, bits, float_dtype_of(out));
+      },
+      py::arg("packed"), py::arg("ratio"), py::arg("scales"), py::arg("rows"), py::arg("cols"), py::arg("codes"),
+      py::arg("bits") = 8, py::arg("out") = "bfloat16",
+      "A ConvRot int weight decoded on the tensors' device (ostris_decode.h): codes 'int8', 'bitfield' or "
+      "'ternary', float32 row scales, float32 group ratios or None.");
   t.def("decode_blocks", &decode_blocks,
         "The most thread blocks a lossless decode on the derive stream uses (LAYERSTREAM_DECODE_BLOCKS; 0: no "
         "limit).");

@@ -46,6 +46,20 @@ DTYPE = torch.bfloat16
 DECODED = ("uint", "orbit", "nvfp4")  # (and convrot4 where the GPU has no fp4 matmul: all but sm_100+)
 
 
+# The ConvRot backends whose forward is an int8 matmul (torch._int_mm): layerstream does their training
+# backward, decoding the weight it multiplies by (src/torch/ostris_fast.cc, IntSteFn).
+INT_MM = ("convrot8", "convrotint", "convrotbitnet", "convrotcomfyw4a4")
+
+
+def trained_here(qtype: str, device) -> bool:
+    """Whether layerstream does this backend's training calls itself: the decoded families, and the int8
+    matmul ones where AI-Toolkit uses torch._int_mm (it does on CUDA, and takes a fake-quantized fallback on
+    the CPU)."""
+    if qtype.startswith(INT_MM):
+        return torch.device(device).type == "cuda"
+    return decoded_here(qtype, device)
+
+
 def decoded_here(qtype: str, device) -> bool:
     """Whether layerstream decodes this backend's weight itself (src/torch/ostris_fast.h)."""
     if qtype == "convrot4":
@@ -151,7 +165,7 @@ def test_backend_streams_as_stored_and_trains_like_stock(engine, device, aitk_di
     # A call moves the layer's block: its buffers and bias as stored, nothing dequantized.
     x = torch.randn(2, 6, 256, dtype=DTYPE, generator=torch.Generator().manual_seed(5)).to(device)
     host = [[t.data_ptr() for t in stored(lin)] for lin in managed.linears()]
-    decoded = mm.stats()["ostris_decoded"]
+    decoded, kept = mm.stats()["ostris_decoded"], mm.stats()["ostris_kept_bytes"]
     with torch.no_grad():
         assert first_call_bytes(managed, x) == sizes
         # After a call the layer holds its host copies again, its bias too (the staged ones are gone).
@@ -161,6 +175,8 @@ def test_backend_streams_as_stored_and_trains_like_stock(engine, device, aitk_di
     # uintx, orbit, orbit-VQ, nvfp4 and convrot4 weights are decoded by layerstream (ostris_fast.h), the others
     # by their backend.
     assert mm.stats()["ostris_decoded"] - decoded == (6 if decoded_here(qtype, device) else 0)
+    # Nothing outlived a call without a graph: no staged buffer was copied out of the ring.
+    assert mm.stats()["ostris_kept_bytes"] == kept
 
     # LoRA training: the losses and every LoRA parameter bitwise stock's and the unmanaged model's.
     # (On a CPU device stock runs the layer's own forward unmanaged: its run is the unmanaged one.)
@@ -174,7 +190,7 @@ def test_backend_streams_as_stored_and_trains_like_stock(engine, device, aitk_di
         decoded = mm.stats()["ostris_decoded"]
         runs[name] = (train_lora(model, loras, device, 2, sync, dtype=DTYPE), loras)
         if name == "layerstream":  # training too (convrot4: its straight-through activation as well)
-            assert (mm.stats()["ostris_decoded"] > decoded) == decoded_here(qtype, device)
+            assert (mm.stats()["ostris_decoded"] > decoded) == trained_here(qtype, device)
     want_losses, want_loras = runs.pop("stock")
     for name, (losses, loras) in runs.items():
         assert losses == want_losses, name
@@ -328,3 +344,54 @@ def test_convrot4_activation_at_its_corners_trains_like_stock(engine, device, ai
         (want, want_grad), (got, got_grad) = results
         assert torch.equal(got, want) and torch.equal(got_grad, want_grad), seed
     assert mm.stats()["ostris_decoded"] - decoded == 3
+
+
+INT_LAYOUTS = ["convrot8", "convrotbitnet", "convrotcomfyw4a4", "convrotint4", "convrotint8"]
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "non-reentrant", "reentrant"])
+@pytest.mark.parametrize("qtype", INT_LAYOUTS + [pytest.param(q, marks=pytest.mark.gpu) for q in
+                                                 ("convrotint2", "convrotint3", "convrotint5", "convrotint6",
+                                                  "convrotint7")])
+@pytest.mark.parametrize("aitk_dir", DIRS)
+def test_int_matmul_backends_train_with_layerstreams_backward(engine, device, aitk_dir, qtype, checkpointing,
+                                                             monkeypatch):
+    """The int8-matmul ConvRot backends in training: their own forward (torch._int_mm), layerstream's backward
+    (the weight decoded from the staged codes in one kernel, proved on the first call): outputs and input
+    gradients bitwise stock's, with and without gradient checkpointing (both kinds), every training call
+    (both passes of checkpointing) taken here, and the codes the backward needs kept past the call, as the
+    backend keeps them: their stored bytes, once per layer."""
+    skip_unless_streamed(engine, qtype)
+    from torch.utils.checkpoint import checkpoint
+
+    toolkit = OstrisToolkit(aitk_dir)
+    if engine != "cuda":
+        # AI-Toolkit takes torch._int_mm only on CUDA; the simulator's device is the host, where _int_mm runs
+        # too: let both engines take the int8 path a GPU takes.
+        monkeypatch.setattr(toolkit.modules["toolkit.util.convrot_quant"], "_int8_gemm_supported", lambda d: True)
+    stock, managed = quantized_stack(toolkit, qtype), quantized_stack(toolkit, qtype)
+    codes = [sum(t.numel() * t.element_size() for n, t in lin._buffers.items() if t is not None)
+             for lin in managed.linears()]
+    attached(aitk_dir, "stock", stock, device)
+    attached(aitk_dir, "layerstream", managed, device)
+    before = {k: mm.stats()[k] for k in ("ostris_decoded", "ostris_kept_bytes")}
+    results = []
+    for model in (stock, managed):
+        got = []
+        for seed in (1, 2):
+            x = torch.randn(3, 5, 256, generator=torch.Generator().manual_seed(seed)).to(device, DTYPE)
+            x.requires_grad_(True)
+            if checkpointing == "none":
+                out = model(x)
+            else:
+                out = checkpoint(model, x, use_reentrant=checkpointing == "reentrant")
+            out.float().square().sum().backward()
+            got.append((out.detach(), x.grad))
+        results.append(got)
+    for (want, want_grad), (out, grad) in zip(*results):
+        assert torch.equal(out, want) and torch.equal(grad, want_grad)
+    # Per forward: the three layers, twice under non-reentrant checkpointing; reentrant checkpointing's first
+    # pass runs without a graph, where only the first layer's input (the checkpoint's) requires grad.
+    calls = 2 * {"none": 3, "non-reentrant": 6, "reentrant": 1 + 3}[checkpointing]
+    assert mm.stats()["ostris_decoded"] - before["ostris_decoded"] == calls
+    assert mm.stats()["ostris_kept_bytes"] - before["ostris_kept_bytes"] == 2 * sum(codes)
