@@ -1,13 +1,11 @@
 #include "ostris_fast.h"
+#include "ostris_internal.h"
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
-#include <cmath>
-#include <map>
-#include <utility>
+#include <functional>
 #include <vector>
 
 #include "layerstream/check.h"
@@ -22,6 +20,28 @@
 
 namespace layerstream::torchglue {
 
+namespace ostris_detail {
+
+void own_forward(const std::string& backend, const std::string& why) {
+  log_once("ostris-own-forward-" + backend, LogLevel::kInfo,
+           "layerstream: AI-Toolkit's " + backend + " layers run their own forward (" + why +
+               "); their buffers still stream as stored");
+}
+
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
+  const at::ScalarType as = a.element_size() == 2 ? at::kShort : a.element_size() == 4 ? at::kInt : at::kByte;
+  return at::equal(a.contiguous().view(as), b.contiguous().view(as));
+}
+
+#ifdef LAYERSTREAM_TORCH_CUDA
+void* stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+#endif
+
+}  // namespace ostris_detail
+
+using namespace ostris_detail;
+
 namespace {
 
 bool ends_with(const std::string& s, const std::string& tail) {
@@ -35,10 +55,38 @@ bool is_convrot_int(const std::string& backend) {
          backend == "ConvRotComfyW4A4Quantizer";
 }
 
-void own_forward(const std::string& backend, const std::string& why) {
-  log_once("ostris-own-forward-" + backend, LogLevel::kInfo,
-           "layerstream: AI-Toolkit's " + backend + " layers run their own forward (" + why +
-               "); their buffers still stream as stored");
+// The convrot int8-matmul backends' part of fill(): convrot8's int8 codes, or the bitpacked (base-3 for
+// bitnet) codes of the others, with group ratios up to 7 bits; the row scales as float32 bytes.
+std::string fill_convrot_int(OstrisFast& f, const py::object& module, const py::dict& helpers,
+                             const std::function<int(const char*)>& pos) {
+  const bool eight = f.backend == "ConvRotInt8Quantizer";
+  f.format = OstrisFast::Format::kConvrotInt;
+  f.packed = pos(eight ? "cr8_qdata" : "crn_qdata");
+  f.scale = pos(eight ? "cr8_scales" : "crn_scales");
+  f.ratio = eight ? -1 : pos("crn_gratio");
+  if (f.packed < 0 || f.scale < 0) return eight ? "buffers other than cr8_qdata/_scales" : "buffers other than crn_qdata/_scales";
+  f.rot = module.attr(eight ? "cr8_rot_size" : "crn_rot_size").cast<std::int64_t>();
+  f.bits = eight ? 8 : module.attr("crn_bits").cast<int>();
+  f.codes = eight ? IntRowsSpec::Codes::kInt8
+                  : f.backend == "ConvRotBitNetQuantizer" ? IntRowsSpec::Codes::kTernary : IntRowsSpec::Codes::kBitfield;
+  if (f.codes == IntRowsSpec::Codes::kTernary && (f.ratio < 0 || f.bits != 2)) return "ternary codes without group ratios";
+  if (f.bits < 2 || f.bits > 8) return std::to_string(f.bits) + " bits";
+  const auto rows = module.attr("out_features").cast<std::int64_t>();
+  const auto cols = module.attr("in_features").cast<std::int64_t>();
+  if (f.ratio >= 0) {
+    const py::object ratio = py::dict(module.attr("_buffers"))["crn_gratio"];
+    const auto bytes = ratio.attr("numel")().cast<std::int64_t>();  // (a uint8 view of float32 ratios)
+    const std::int64_t per_row = rows > 0 ? bytes / 4 / rows : 0;
+    if (per_row <= 0 || per_row * 4 * rows != bytes || cols % per_row != 0) return "group ratios that do not divide a row";
+    f.ratio_group = cols / per_row;
+  }
+  for (const char* name : {"rotate", "_int8_gemm_supported"}) {
+    if (!helpers.contains(name)) return std::string("no ") + name + " beside its forward";
+  }
+  f.rotate = helpers["rotate"];
+  f.int8_gemm = helpers["_int8_gemm_supported"];
+  if (f.rot <= 0 || cols % f.rot != 0) return "a rotation block that does not divide a row";
+  return "";
 }
 
 // The formats' parameters, read off the backend and the layer; throws py::error_already_set (or returns a
@@ -49,38 +97,7 @@ std::string fill(OstrisFast& f, const py::object& module, const py::object& q, c
     auto it = std::find(names.begin(), names.end(), name);
     return it == names.end() ? -1 : static_cast<int>(it - names.begin());
   };
-  if (is_convrot_int(f.backend)) {
-    // convrot8's int8 codes, or the bitpacked (base-3 for bitnet) codes of the others, with group ratios up
-    // to 7 bits; the row scales as float32 bytes.
-    const bool eight = f.backend == "ConvRotInt8Quantizer";
-    f.format = OstrisFast::Format::kConvrotInt;
-    f.packed = pos(eight ? "cr8_qdata" : "crn_qdata");
-    f.scale = pos(eight ? "cr8_scales" : "crn_scales");
-    f.ratio = eight ? -1 : pos("crn_gratio");
-    if (f.packed < 0 || f.scale < 0) return eight ? "buffers other than cr8_qdata/_scales" : "buffers other than crn_qdata/_scales";
-    f.rot = module.attr(eight ? "cr8_rot_size" : "crn_rot_size").cast<std::int64_t>();
-    f.bits = eight ? 8 : module.attr("crn_bits").cast<int>();
-    f.codes = eight ? IntRowsSpec::Codes::kInt8
-                    : f.backend == "ConvRotBitNetQuantizer" ? IntRowsSpec::Codes::kTernary : IntRowsSpec::Codes::kBitfield;
-    if (f.codes == IntRowsSpec::Codes::kTernary && (f.ratio < 0 || f.bits != 2)) return "ternary codes without group ratios";
-    if (f.bits < 2 || f.bits > 8) return std::to_string(f.bits) + " bits";
-    const auto rows = module.attr("out_features").cast<std::int64_t>();
-    const auto cols = module.attr("in_features").cast<std::int64_t>();
-    if (f.ratio >= 0) {
-      const py::object ratio = py::dict(module.attr("_buffers"))["crn_gratio"];
-      const auto bytes = ratio.attr("numel")().cast<std::int64_t>();  // (a uint8 view of float32 ratios)
-      const std::int64_t per_row = rows > 0 ? bytes / 4 / rows : 0;
-      if (per_row <= 0 || per_row * 4 * rows != bytes || cols % per_row != 0) return "group ratios that do not divide a row";
-      f.ratio_group = cols / per_row;
-    }
-    for (const char* name : {"rotate", "_int8_gemm_supported"}) {
-      if (!helpers.contains(name)) return std::string("no ") + name + " beside its forward";
-    }
-    f.rotate = helpers["rotate"];
-    f.int8_gemm = helpers["_int8_gemm_supported"];
-    if (f.rot <= 0 || cols % f.rot != 0) return "a rotation block that does not divide a row";
-    return "";
-  }
+  if (is_convrot_int(f.backend)) return fill_convrot_int(f, module, helpers, pos);
   if (f.backend == "Nvfp4Quantizer" || f.backend == "ConvRotQuantizer") {
     const bool nv = f.backend == "Nvfp4Quantizer";
     f.format = nv ? OstrisFast::Format::kNvfp4 : OstrisFast::Format::kConvrot4;
@@ -198,9 +215,6 @@ OstrisFast recognise_ostris(const py::object& module, const std::vector<std::str
 
 namespace {
 
-#ifdef LAYERSTREAM_TORCH_CUDA
-void* stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
-#endif
 
 // Each decodes the staged buffers into `w` ([rows, cols] of the input's type), or returns why it cannot
 // (buffers whose sizes or types are not the format's).
@@ -290,96 +304,6 @@ std::string decode_nvfp4_into(const OstrisFast& f, const std::vector<at::Tensor>
   return "";
 }
 
-// Whether torch's float32 -> float8_e4m3fn conversion on `device` saturates from 464 up (recent releases) or
-// gives NaN (older ones); nullopt when it does neither, so the decoder is not the backend's. Asked once per
-// device (callers hold the GIL, which guards the cache).
-std::optional<bool> e4m3_saturates(const at::Device& device) {
-  static std::map<std::pair<int, int>, std::optional<bool>> known;
-  const std::pair<int, int> key{static_cast<int>(device.type()), device.index()};
-  if (auto it = known.find(key); it != known.end()) return it->second;
-  const at::Tensor probe = at::tensor(std::vector<float>{500.0f, 470.0f, 448.0f}).to(device);
-  const at::Tensor codes = probe.to(at::kFloat8_e4m3fn).view(at::kByte).cpu();
-  const auto* c = codes.data_ptr<std::uint8_t>();
-  std::optional<bool> answer;
-  if (c[2] == 0x7e && c[0] == 0x7e && c[1] == 0x7e) answer = true;
-  if (c[2] == 0x7e && c[0] == 0x7f && c[1] == 0x7f) answer = false;
-  return known[key] = answer;
-}
-
-// convrot4's straight-through activation of `x` (detached, contiguous, [rows, cols]): the tensor scale the
-// backend computes from amax |x| (with torch's own operations, so the same float), and delta = x_dq - x.
-struct Activation {
-  at::Tensor pts, delta;
-};
-
-Activation fake_quantize(const at::Tensor& x, bool saturates, [[maybe_unused]] bool on_cuda) {
-  const auto [lo, hi] = at::aminmax(x);
-  at::Tensor pts = at::div(at::maximum(lo.neg(), hi).to(at::kFloat), 6.0 * 448.0);
-  pts = at::where(pts > 0, pts, at::ones_like(pts));
-  at::Tensor delta = at::empty_like(x);
-  const FakeQuantSpec spec{static_cast<std::size_t>(x.size(0)), static_cast<std::size_t>(x.size(1)),
-                           *real_type_of(x.scalar_type()), saturates};
-#ifdef LAYERSTREAM_TORCH_CUDA
-  if (on_cuda) {
-    fake_quant_nvfp4_cuda(spec, x.data_ptr(), pts.data_ptr<float>(), delta.data_ptr(), stream_of(x));
-    return {pts, delta};
-  }
-#endif
-  fake_quant_nvfp4_host(spec, x.data_ptr(), pts.data_ptr<float>(), delta.data_ptr());
-  return {pts, delta};
-}
-
-bool same_bits(const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
-  const at::ScalarType as = a.element_size() == 2 ? at::kShort : a.element_size() == 4 ? at::kInt : at::kByte;
-  return at::equal(a.contiguous().view(as), b.contiguous().view(as));
-}
-
-// A probe of the activation quantization's corners: magnitudes from 2^-30 to 2^10 in blocks of their own
-// (so block scales of every e4m3 exponent, denormal ones included), values of three significant bits (so that
-// x / scale lands exactly on the e2m1 edges), zeros of both signs, whole blocks of zeros; `top` is the
-// largest magnitude (the tensor scale's source).
-at::Tensor activation_probe(const at::TensorOptions& options, float top) {
-  constexpr int kRows = 64, kCols = 64;
-  std::vector<float> v(kRows * kCols);
-  std::uint32_t seed = 12345;
-  auto next = [&] { return seed = seed * 1664525u + 1013904223u; };
-  for (int b = 0; b < kRows * kCols / 16; ++b) {
-    const int e = -30 + (b * 7) % 41;
-    for (int k = 0; k < 16; ++k) {
-      const std::uint32_t r = next() >> 8;
-      float x = std::ldexp(1.0f + static_cast<float>(r % 8) / 8.0f, e - static_cast<int>((r >> 3) % 4));
-      if ((r >> 5) % 7 == 0) x = 0.0f;
-      if (b % 23 == 5) x = 0.0f;
-      v[static_cast<std::size_t>(b * 16 + k)] = ((r >> 8) & 1) ? -x : x;
-    }
-  }
-  v[0] = top;
-  return at::tensor(v).view({kRows, kCols}).to(options);
-}
-
-// The proof of convrot4's activation, once per input type: on this call's input and on the probes, the
-// kernel's delta and tensor scale are bit for bit those of the backend's own quantize_nvfp4 and
-// dequantize_nvfp4; why not, or "".
-std::string activation_differs(const OstrisFast& f, const at::Tensor& x, const Activation& got, bool saturates,
-                               bool on_cuda) {
-  try {
-    const py::object dtype = py::cast(x).attr("dtype");
-    for (int i = 0; i < 3; ++i) {
-      const at::Tensor input = i == 0 ? x : activation_probe(x.options(), i == 1 ? 2688.0f : 937.0f);
-      const Activation mine = i == 0 ? got : fake_quantize(input, saturates, on_cuda);
-      const py::tuple q = f.quantize(input);
-      const at::Tensor x_dq = f.dequantize(q[0], q[1], q[2], input.size(0), input.size(1), dtype).cast<at::Tensor>();
-      if (!same_bits(mine.pts, q[2].cast<at::Tensor>().reshape({})) || !same_bits(mine.delta, at::sub(x_dq, input))) {
-        return "its activation quantized by layerstream differed from its own quantize_nvfp4";
-      }
-    }
-  } catch (py::error_already_set& e) {
-    return std::string("its own quantize_nvfp4 could not be called to check layerstream's: ") + e.what();
-  }
-  return "";
-}
-
 // The proof, once per input type: `w` against the backend's own dequantization of the same staged buffers
 // (swapped into the layer); why they are not the same, or "".
 std::string differs_from_backend(const py::object& module, const OstrisFast& f, const at::Tensor& w, const py::object& x) {
@@ -397,207 +321,6 @@ std::string differs_from_backend(const py::object& module, const OstrisFast& f, 
     return std::string("its own dequantization could not be called to check layerstream's: ") + e.what();
   }
   return "";
-}
-
-// convrot4 without fp4 matmuls, as its own forward computes it: the rotated input; in training (x requires
-// grad, in both passes of checkpointing) the straight-through activation x2d + (x_dq - x2d), with delta =
-// x_dq - x2d from the kernel (proved once per input type); then F.linear with the decoded rotated weight.
-std::optional<py::object> convrot4_forward(OstrisFast& fast, const py::object& x, const at::Tensor& xt,
-                                           const at::Tensor& w, const at::Tensor& b, std::int64_t rows,
-                                           std::int64_t cols, bool on_cuda) {
-  const at::Tensor x2d = fast.rotate(x, fast.rot).attr("reshape")(-1, cols).cast<at::Tensor>();
-  at::Tensor input = x2d;
-  if (xt.requires_grad()) {
-    const std::optional<bool> saturates = e4m3_saturates(xt.device());
-    if (!saturates) {
-      fast.refused = true;
-      own_forward(fast.backend, "torch's float8_e4m3fn conversion is not one layerstream knows");
-      return std::nullopt;
-    }
-    at::Tensor xd = x2d.detach();
-    if (!xd.is_contiguous() || reinterpret_cast<std::uintptr_t>(xd.data_ptr()) % 16 != 0) xd = xd.clone();
-    const Activation a = fake_quantize(xd, *saturates, on_cuda);
-    const c10::ScalarType dtype = xt.scalar_type();
-    if (std::find(fast.proven_activation.begin(), fast.proven_activation.end(), dtype) == fast.proven_activation.end()) {
-      const std::string why = activation_differs(fast, xd, a, *saturates, on_cuda);
-      if (!why.empty()) {
-        fast.refused = true;
-        own_forward(fast.backend, why);
-        return std::nullopt;
-      }
-      fast.proven_activation.push_back(dtype);
-    }
-    input = at::add(x2d, a.delta);
-  }
-  std::vector<std::int64_t> shape = xt.sizes().vec();
-  shape.back() = rows;
-  return py::cast(at::linear(input, w, b).reshape(shape));
-}
-
-// The convrot int weight of the staged buffers (ostris_decode.h), in `type`, on their device.
-IntRowsSpec int_rows_spec(const OstrisFast& f, std::int64_t rows, std::int64_t cols, RealType out) {
-  return IntRowsSpec{static_cast<std::size_t>(rows), static_cast<std::size_t>(cols), f.codes, f.bits,
-                     static_cast<std::size_t>(f.ratio_group), out};
-}
-
-at::Tensor decode_int_rows(const IntRowsSpec& spec, const at::Tensor& packed, const at::Tensor& ratio,
-                           const at::Tensor& scale, c10::ScalarType type) {
-  at::Tensor w = at::empty({static_cast<std::int64_t>(spec.rows), static_cast<std::int64_t>(spec.cols)},
-                           packed.options().dtype(type));
-  const auto* p = static_cast<const std::uint8_t*>(packed.data_ptr());
-  const auto* r = ratio.defined() ? static_cast<const float*>(ratio.data_ptr()) : nullptr;
-  const auto* sc = static_cast<const float*>(scale.data_ptr());
-#ifdef LAYERSTREAM_TORCH_CUDA
-  if (packed.is_cuda()) {
-    decode_int_rows_cuda(spec, p, r, sc, w.data_ptr(), stream_of(packed));
-    return w;
-  }
-#endif
-  decode_int_rows_host(spec, p, r, sc, w.data_ptr());
-  return w;
-}
-
-// What a convrot int training call needs beyond its input: the backend's own straight-through linear for the
-// forward value, and the staged codes the backward decodes.
-struct IntCall {
-  py::object linear_ste;  // the backend's bound _linear_ste
-  py::object module;
-  py::object out_dtype;   // its name ("bfloat16"), as the backend passes it
-  at::Tensor packed, ratio, scale;
-  IntRowsSpec spec;
-};
-
-// The backend's training linear with the backward done here: the forward is its own custom op (rotated
-// input -> int8 activation -> torch._int_mm -> its epilogue, run without a graph), and the backward is its
-// straight-through `grad @ (code8 * scale)` with that weight decoded from the codes in one kernel instead of
-// its unpack, cast and multiply (three passes over the weight, the middle one twice its size). The codes are
-// saved as the backend saves them; what the ring region held of them is copied out when the call ends
-// (StreamedLayer::with_staged_tensors).
-struct IntSteFn : public torch::autograd::Function<IntSteFn> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x2d, const IntCall& call) {
-    at::Tensor out = call.linear_ste(call.module, x2d, call.out_dtype).cast<at::Tensor>();
-    ctx->save_for_backward({call.packed, call.ratio, call.scale});
-    const IntRowsSpec& s = call.spec;
-    ctx->saved_data["spec"] = std::vector<std::int64_t>{
-        static_cast<std::int64_t>(s.rows), static_cast<std::int64_t>(s.cols), static_cast<std::int64_t>(s.codes),
-        s.bits, static_cast<std::int64_t>(s.group)};
-    return out;
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const std::vector<std::int64_t> v = ctx->saved_data["spec"].toIntVector();
-    const at::Tensor& g = grads[0];
-    const auto type = real_type_of(g.scalar_type());
-    LS_CHECK(type.has_value(), "convrot int backward: a gradient of type ", g.scalar_type());
-    const IntRowsSpec spec{static_cast<std::size_t>(v[0]), static_cast<std::size_t>(v[1]),
-                           static_cast<IntRowsSpec::Codes>(v[2]), static_cast<int>(v[3]),
-                           static_cast<std::size_t>(v[4]), *type};
-    const at::Tensor w = decode_int_rows(spec, saved[0], saved[1], saved[2], g.scalar_type());
-    return {at::matmul(g, w), at::Tensor()};
-  }
-};
-
-// Deterministic probe values in [-2, 2) (no draw from torch's generators: the run's randomness stays stock's).
-at::Tensor int_probe(std::int64_t rows, std::int64_t cols, std::uint32_t seed, const at::TensorOptions& options) {
-  std::vector<float> v(static_cast<std::size_t>(rows * cols));
-  for (float& x : v) {
-    seed = seed * 1664525u + 1013904223u;
-    x = static_cast<float>(seed >> 8) / static_cast<float>(1u << 22) - 2.0f;
-  }
-  return at::tensor(v).view({rows, cols}).to(options);
-}
-
-// The proof, once per input type, with the staged buffers swapped into the layer: the decoded weight equals
-// the backend's own `_qdata(module).to(t) * _scales(module).to(t)[:, None]` (what its backward builds), and a
-// gradient through its own training linear on a probe is `probe_grad @ w`, bit for bit; why not, or "".
-std::string int_rows_differ(const py::object& module, const IntCall& call, const at::Tensor& w) {
-  try {
-    const py::object q = module.attr("ostris_quantizer");
-    const c10::ScalarType t = w.scalar_type();
-    const at::Tensor codes = q.attr("_qdata")(module).cast<at::Tensor>();
-    const at::Tensor scales = q.attr("_scales")(module).cast<at::Tensor>();
-    if (!same_bits(w, at::mul(codes.to(t), scales.to(t).unsqueeze(1)))) {
-      return "its weight decoded by layerstream differed from its own unpacked codes times scales";
-    }
-    const at::Tensor xp = int_probe(32, w.size(1), 7, w.options()).requires_grad_(true);
-    const at::Tensor gp = int_probe(32, w.size(0), 11, w.options());
-    // The probe's graph is its own: saved tensors stay in it (identity hooks over any of checkpointing's, whose
-    // unpack would recompute the checkpointed region, this layer included, and whose count of saved tensors
-    // must stay that of the model's own forward), and it is built with grad mode on (a first reentrant
-    // checkpointing pass runs without).
-    const py::cpp_function same([](py::object t) { return t; });
-    py::object hooks = py::module_::import("torch.autograd.graph").attr("saved_tensors_hooks")(same, same);
-    hooks.attr("__enter__")();
-    at::Tensor theirs;
-    try {
-      const at::AutoGradMode enable(true);
-      const py::object out = call.linear_ste(module, xp, call.out_dtype);
-      theirs = py::module_::import("torch.autograd").attr("grad")(out, xp, gp).cast<py::tuple>()[0].cast<at::Tensor>();
-    } catch (...) {
-      hooks.attr("__exit__")(py::none(), py::none(), py::none());
-      throw;
-    }
-    hooks.attr("__exit__")(py::none(), py::none(), py::none());
-    if (!same_bits(theirs, at::matmul(gp, w))) {
-      return "its own training backward is not the gradient times its decoded weight";
-    }
-  } catch (py::error_already_set& e) {
-    return std::string("its own unpack or training linear could not be called to check layerstream's: ") + e.what();
-  }
-  return "";
-}
-
-// A convrot int layer's training call (its input requires grad, in both passes of checkpointing, where the
-// device has int8 matmuls): the backend's own rotation and forward, layerstream's backward (IntSteFn).
-// Anything else (inference, sampling, no int8 matmul) is its own forward.
-std::optional<py::object> convrot_int_forward(const py::object& module, OstrisFast& fast,
-                                              const std::vector<at::Tensor>& staged, const py::object& x,
-                                              const at::Tensor& xt, std::int64_t rows, std::int64_t cols,
-                                              bool on_cuda) {
-  if (!xt.requires_grad() || xt.numel() == 0) return std::nullopt;
-  if (!fast.int8_gemm(x.attr("device")).cast<bool>()) {
-    own_forward(fast.backend, "no int8 matmul on this device: its fake-quantized fallback runs");
-    return std::nullopt;
-  }
-  const c10::ScalarType dtype = xt.scalar_type();
-  // (Tensors of their own over the staged storages: see over_storage.)
-  IntCall call{module.attr("ostris_quantizer").attr("_linear_ste"), module,
-               py::str(x.attr("dtype")).attr("split")(".")[py::int_(-1)],
-               over_storage(staged[static_cast<std::size_t>(fast.packed)]),
-               fast.ratio >= 0 ? over_storage(staged[static_cast<std::size_t>(fast.ratio)]) : at::Tensor(),
-               over_storage(staged[static_cast<std::size_t>(fast.scale)]), int_rows_spec(fast, rows, cols, *real_type_of(dtype))};
-  auto bytes_ok = [&](const at::Tensor& t, std::size_t n, std::uintptr_t align) {
-    return t.defined() && t.is_contiguous() && t.element_size() == 1 && t.nbytes() == n &&
-           (!on_cuda || reinterpret_cast<std::uintptr_t>(t.data_ptr()) % align == 0);
-  };
-  std::string why;
-  if (!bytes_ok(call.packed, int_rows_packed_bytes(call.spec), fast.codes == IntRowsSpec::Codes::kInt8 ? 8 : 1) ||
-      !bytes_ok(call.scale, static_cast<std::size_t>(rows) * 4, 4) ||
-      (fast.ratio >= 0 && !bytes_ok(call.ratio, static_cast<std::size_t>(rows * (cols / fast.ratio_group)) * 4, 4))) {
-    why = "buffers whose sizes are not its format's for this layer";
-  } else if (on_cuda && (cols % 8 != 0 || (fast.ratio_group != 0 && fast.ratio_group % 8 != 0))) {
-    why = "rows or groups that are not multiples of 8 values (the device kernel takes eight at a time)";
-  }
-  try {
-    if (why.empty()) check_int_rows_spec(call.spec);
-  } catch (const std::exception& e) {
-    why = e.what();
-  }
-  if (why.empty() && std::find(fast.proven.begin(), fast.proven.end(), dtype) == fast.proven.end()) {
-    why = int_rows_differ(module, call, decode_int_rows(call.spec, call.packed, call.ratio, call.scale, dtype));
-    if (why.empty()) fast.proven.push_back(dtype);
-  }
-  if (!why.empty()) {
-    fast.refused = true;
-    own_forward(fast.backend, why);
-    return std::nullopt;
-  }
-  const at::Tensor x2d = fast.rotate(x, fast.rot).attr("reshape")(-1, cols).cast<at::Tensor>();
-  std::vector<std::int64_t> shape = xt.sizes().vec();
-  shape.back() = rows;
-  return py::cast(IntSteFn::apply(x2d, call).reshape(shape));
 }
 
 }  // namespace
@@ -669,16 +392,6 @@ std::optional<py::object> ostris_fast_forward(const py::object& module, OstrisFa
   return py::cast(at::linear(x_rot.cast<at::Tensor>(), w, b));
 }
 
-std::pair<at::Tensor, at::Tensor> nvfp4_fake_quantize(const at::Tensor& x) {
-  LS_CHECK_ARG(x.dim() == 2 && x.size(1) % 16 == 0 && real_type_of(x.scalar_type()),
-               "nvfp4_fake_quantize takes a float32, float16 or bfloat16 [rows, cols] tensor, cols a multiple of 16");
-  const std::optional<bool> sat = e4m3_saturates(x.device());
-  LS_CHECK(sat.has_value(), "torch's float8_e4m3fn conversion on ", x.device(), " is not one layerstream knows");
-  const at::Tensor xd = x.detach().contiguous().clone();
-  const Activation a = fake_quantize(xd, *sat, x.is_cuda());
-  return {a.pts, a.delta};
-}
-
 at::Tensor nvfp4_decode(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& pts, std::int64_t rows,
                         std::int64_t cols, c10::ScalarType out) {
   const auto type = real_type_of(out);
@@ -690,26 +403,6 @@ at::Tensor nvfp4_decode(const at::Tensor& packed, const at::Tensor& scales, cons
                                             packed.is_cuda());
   LS_CHECK_ARG(why.empty(), "nvfp4_decode: ", why);
   return w;
-}
-
-at::Tensor int_rows_decode(const at::Tensor& packed, const std::optional<at::Tensor>& ratio, const at::Tensor& scales,
-                           std::int64_t rows, std::int64_t cols, const std::string& codes, int bits, c10::ScalarType out) {
-  const auto type = real_type_of(out);
-  LS_CHECK_ARG(type && rows > 0 && cols > 0, "int_rows_decode: a float32, float16 or bfloat16 output of rows x cols");
-  LS_CHECK_ARG(codes == "int8" || codes == "bitfield" || codes == "ternary",
-               "int_rows_decode: codes are 'int8', 'bitfield' or 'ternary', not '", codes, "'");
-  const at::Tensor p = packed.contiguous(), s = scales.contiguous();
-  const at::Tensor r = ratio ? ratio->contiguous() : at::Tensor();
-  const IntRowsSpec spec{static_cast<std::size_t>(rows), static_cast<std::size_t>(cols),
-                         codes == "int8" ? IntRowsSpec::Codes::kInt8
-                         : codes == "bitfield" ? IntRowsSpec::Codes::kBitfield : IntRowsSpec::Codes::kTernary,
-                         bits, r.defined() ? static_cast<std::size_t>(cols / std::max<std::int64_t>(1, r.nbytes() / 4 / rows)) : 0,
-                         *type};
-  check_int_rows_spec(spec);
-  LS_CHECK_ARG(p.element_size() == 1 && p.nbytes() == int_rows_packed_bytes(spec) && s.nbytes() == spec.rows * 4 &&
-                   (!r.defined() || r.nbytes() == spec.rows * (spec.cols / spec.group) * 4),
-               "int_rows_decode: codes, row scales (float32) or ratios (float32 per row and group) of the wrong size");
-  return decode_int_rows(spec, p, r, s, out);
 }
 
 }  // namespace layerstream::torchglue

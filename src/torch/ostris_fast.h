@@ -7,10 +7,15 @@
 // kernel of AI-Toolkit's; here the weight is decoded straight from the staged buffers (nothing of them is
 // kept past the call), and convrot4's training activation, which the backend quantizes to nvfp4 and back
 // through a chain of about fifteen torch passes, is one kernel plus torch's amax and add.
+// The ConvRot backends whose forward is an int8 matmul (convrot8, convrotint2..8, convrotbitnet,
+// convrotcomfyw4a4) keep their forward; in training their straight-through backward, grad @ (code8 * scale),
+// builds that weight from the saved codes in one kernel (IntSteFn in ostris_fast.cc) instead of the backend's
+// unpack, cast and multiply.
 //
 // The backend is recognised by its class and module (toolkit.util.<name>_quant) and its buffers; the layer's
 // first call in each input type proves the decoded weight equal, bit for bit, to the one the backend's own
-// dequantization builds from the same staged buffers. A layer whose proof fails, or whose backend is not one
+// dequantization builds from the same staged buffers (for the int8-matmul ones, also a probe's gradient through
+// the backend's own training linear). A layer whose proof fails, or whose backend is not one
 // of these, runs its own forward (INFO once per backend class, with the reason). Every function here needs the
 // GIL and runs with the layer's staged buffers swapped in (ostris_layer.cc).
 #pragma once
