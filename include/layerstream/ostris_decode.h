@@ -44,7 +44,8 @@
 //   ternary:  five codes per byte in base 3 (digit j = byte / 3^j % 3, code = digit - 1); a row is
 //             ceil(cols / 5) bytes (convrotbitnet).
 //   With float32 ratios, one per `group` columns of a row (the widths up to 7 bits, bitnet), the code is put on
-//   the row's int8 grid first: code8 = clamp(rint(float(code) * ratio[r, c / group]), -127, 127); else
+//   the row's int8 grid first: code8 = clamp(rint(float(code) * ratio[r, c / group]), -127, 127), an integer
+//   (a product that rounds to zero gives +0, never -0: the backend holds these codes as int8); else
 //   code8 = code. Then, with one float32 scale per row:
 //     w[r, c] = to_out( float(code8) * float(to_out(scale[r])) )   (the product is exact in float; one rounding)
 //

@@ -176,7 +176,8 @@ void decode_int_rows_host(const IntRowsSpec& spec, const std::uint8_t* packed, c
       auto code = static_cast<float>(int_rows_code(spec, packed, r, c));
       if (spec.group) {
         code = std::nearbyint(code * load_float(ratio, r * groups + c / spec.group));
-        code = std::fmin(std::fmax(code, -127.0f), 127.0f);  // (as the device's fminf/fmaxf)
+        // (+ 0: an integer, as the backend's int8 codes are; rint of a small negative product is -0)
+        code = std::fmin(std::fmax(code, -127.0f), 127.0f) + 0.0f;  // (fmin/fmax as the device's fminf/fmaxf)
       }
       store_real(spec.out, code * sc, o + (r * spec.cols + c) * osize);
     }

@@ -294,7 +294,8 @@ __global__ void decode_int_rows(IntRowsArgs a) {
       const float ratio = __ldg(a.ratio + r * groups + c0 / static_cast<I>(a.group));
 #pragma unroll
       for (int k = 0; k < kPerThread; ++k) {
-        const float c8 = fminf(fmaxf(rintf(__fmul_rn(static_cast<float>(code[k]), ratio)), -127.0f), 127.0f);
+        // (+ 0: an integer, as the backend's int8 codes are; rint of a small negative product is -0)
+        const float c8 = __fadd_rn(fminf(fmaxf(rintf(__fmul_rn(static_cast<float>(code[k]), ratio)), -127.0f), 127.0f), 0.0f);
         v[k] = __fmul_rn(c8, sc);
       }
     } else {

@@ -43,7 +43,8 @@ def reference(codes: torch.Tensor, ratio: torch.Tensor | None, scale: torch.Tens
     c = codes.float()
     if ratio is not None:
         group = codes.shape[1] // ratio.shape[1]
-        c = torch.round(c * ratio.repeat_interleave(group, dim=1)).clamp(-127, 127)
+        # (through int8, as the backends hold these codes: a product that rounds to -0 is the integer 0)
+        c = torch.round(c * ratio.repeat_interleave(group, dim=1)).clamp(-127, 127).to(torch.int8).float()
     return c.to(dtype) * scale.to(dtype).unsqueeze(1)
 
 

@@ -277,3 +277,212 @@ def test_the_switch_turns_the_decoder_off(engine, device, caplog):
         mm.configure(ostris_decode=None)
     assert lines == ["layerstream: AI-Toolkit's UIntXQuantizer layers run their own forward "
                      "(LAYERSTREAM_OSTRIS_DECODE=0); their buffers still stream as stored"]
+
+
+# The ConvRot backends whose forward is an int8 matmul: stand-ins written from the layouts ostris_decode.h
+# describes (int8 codes, bitfields, base-3) and from the contract the glue relies on: in training the layer's
+# output is the backend's `_linear_ste(module, rotate(x).reshape(-1, in), dtype name)`, a straight-through
+# estimate whose input gradient is grad @ (_qdata(module).to(t) * _scales(module).to(t)[:, None]). The value
+# here is a plain float matmul on that weight (the real ones run torch._int_mm); layerstream must take it as
+# the backend computes it and do the backward itself.
+from test_int_rows_kernels import pack_bitfield, pack_ternary  # noqa: E402
+
+
+def rotate(x, rot):
+    """The stand-ins' rotation (the glue calls the backend's own): a fixed sign flip of every other block."""
+    signs = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device).view(-1, rot)
+    signs[1::2] = -1
+    return x * signs.view(-1)
+
+
+def _int8_gemm_supported(device):
+    return True  # (the real one asks whether torch._int_mm runs on the device; the stand-ins need none)
+
+
+class _IntSte(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, codes8, scales, bias, backward_scale):
+        ctx.save_for_backward(codes8, scales)
+        ctx.backward_scale = backward_scale
+        out = x2d.float() @ (codes8.float() * scales.unsqueeze(1)).t()
+        return (out if bias is None else out + bias.float()).to(x2d.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        codes8, scales = ctx.saved_tensors
+        w = codes8.to(grad.dtype) * scales.to(grad.dtype).unsqueeze(1)
+        return grad @ (w if ctx.backward_scale == 1 else w * ctx.backward_scale), None, None, None, None
+
+
+class _ConvRotInt:
+    """What the three stand-ins share: codes of `bits` bits in [-qmax, qmax], row scales, the training forward."""
+
+    rot = 32
+
+    def __init__(self, bits: int, code_skew: int = 0, backward_scale: float = 1.0):
+        self.bits, self.code_skew, self.backward_scale = bits, code_skew, backward_scale
+
+    def _codes(self, out_f, in_f):
+        qmax = (1 << (self.bits - 1)) - 1
+        g = torch.Generator().manual_seed(out_f * 3 + in_f + self.bits)
+        codes = torch.randint(-qmax, qmax + 1, (out_f, in_f), generator=g, dtype=torch.int8)
+        return codes, (torch.rand(out_f, generator=g) * 0.02 + 1e-3)
+
+    def _scales(self, module):
+        return self._scales_u8(module).view(torch.float32)
+
+    def _linear_ste(self, module, x2d, out_dtype):
+        assert getattr(torch, out_dtype) == x2d.dtype
+        return _IntSte.apply(x2d, self._qdata(module), self._scales(module), module.bias, self.backward_scale)
+
+    def forward(self, module, x):
+        out_f = module.out_features
+        if x.requires_grad and _int8_gemm_supported(x.device):
+            x2d = rotate(x, self.rot).reshape(-1, module.in_features)
+            return self._linear_ste(module, x2d, str(x.dtype).split(".")[-1]).reshape(*x.shape[:-1], out_f)
+        with torch.no_grad():
+            w = (self._qdata(module).float() * self._scales(module).unsqueeze(1)).to(x.dtype)
+        return F.linear(rotate(x, self.rot), w, None if module.bias is None else module.bias.to(x.dtype))
+
+
+class ConvRotInt8Quantizer(_ConvRotInt):
+    def __init__(self, **kw):
+        super().__init__(8, **kw)
+
+    def quantize_(self, module, weight):
+        codes, scales = self._codes(*weight.shape)
+        codes[0, :255] = torch.arange(-127, 128, dtype=torch.int8)[: weight.shape[1]]
+        module.register_buffer("cr8_qdata", codes, persistent=False)
+        module.register_buffer("cr8_scales", scales.view(torch.uint8), persistent=False)
+        module.cr8_rot_size = self.rot
+
+    def _qdata(self, module):
+        return module.cr8_qdata + self.code_skew
+
+    def _scales_u8(self, module):
+        return module.cr8_scales
+
+
+class ConvRotIntNQuantizer(_ConvRotInt):
+    """Bitfield codes; up to 7 bits with a float32 ratio per row and group of 16 (code8 = rint(code * ratio))."""
+
+    group = 16
+
+    def quantize_(self, module, weight):
+        out_f, in_f = weight.shape
+        codes, scales = self._codes(out_f, in_f)
+        module.register_buffer("crn_qdata", self._pack(codes), persistent=False)
+        module.register_buffer("crn_scales", scales.view(torch.uint8), persistent=False)
+        if self.bits <= 7:
+            g = torch.Generator().manual_seed(out_f + in_f)
+            ratio = torch.rand(out_f, in_f // self.group, generator=g) * 4 + 0.5
+            ratio.view(-1)[:4] = torch.tensor([0.5, 1.5, 2.5, 200.0])  # ties of the rounding, the clamp
+            module.register_buffer("crn_gratio", ratio.view(torch.uint8), persistent=False)
+        module.crn_bits, module.crn_rot_size = self.bits, self.rot
+
+    def _pack(self, codes):
+        return pack_bitfield(codes, self.bits)
+
+    def _unpack(self, module):
+        bits, (out_f, in_f) = module.crn_bits, (module.out_features, module.in_features)
+        b = module.crn_qdata.view(out_f, in_f // 8, bits).long()
+        word = sum(b[..., i] << (8 * i) for i in range(bits))
+        fields = torch.stack([(word >> (bits * j)) & ((1 << bits) - 1) for j in range(8)], dim=-1)
+        return fields.view(out_f, in_f) - ((1 << (bits - 1)) - 1)
+
+    def _qdata(self, module):
+        codes = self._unpack(module).float()
+        ratio = getattr(module, "crn_gratio", None)
+        if ratio is not None:
+            ratio = ratio.view(torch.float32).repeat_interleave(self.group, dim=1)
+            codes = torch.round(codes * ratio).clamp(-127, 127)
+        return (codes + self.code_skew).to(torch.int8)
+
+    def _scales_u8(self, module):
+        return module.crn_scales
+
+
+class ConvRotBitNetQuantizer(ConvRotIntNQuantizer):
+    """Ternary codes, five per byte in base 3, with the group ratios."""
+
+    def __init__(self, **kw):
+        super().__init__(2, **kw)
+
+    def _pack(self, codes):
+        return pack_ternary(codes)
+
+    def _unpack(self, module):
+        out_f, in_f = module.out_features, module.in_features
+        b = module.crn_qdata.long().unsqueeze(-1)
+        digits = (b // torch.tensor([1, 3, 9, 27, 81], device=b.device)) % 3
+        return digits.view(out_f, -1)[:, :in_f] - 1
+
+
+for _cls in (ConvRotInt8Quantizer, ConvRotIntNQuantizer, ConvRotBitNetQuantizer):
+    _cls.__module__ = "fake_aitk.util.convrot_quant"
+
+INT_BACKENDS = {"convrot8": lambda **kw: ConvRotInt8Quantizer(**kw),
+                "convrotint4": lambda **kw: ConvRotIntNQuantizer(4, **kw),
+                "convrotint8": lambda **kw: ConvRotIntNQuantizer(8, **kw),
+                "convrotbitnet": lambda **kw: ConvRotBitNetQuantizer(**kw)}
+
+
+def stored_bytes(layer) -> int:
+    return sum(b.numel() * b.element_size() for b in layer._buffers.values())
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "non-reentrant"])
+@pytest.mark.parametrize("name", sorted(INT_BACKENDS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int_matmul_backends_train_with_layerstreams_backward(engine, device, name, dtype, checkpointing):
+    """Training calls take the backend's own forward value and layerstream's backward (the weight decoded from
+    the staged codes, proved on the first call): outputs and input gradients bitwise the unmanaged layer's, with
+    and without checkpointing, each training call counted, the codes the backward needs kept past the call
+    once per call that builds a graph; inference is the backend's own forward and keeps nothing."""
+    _streamed(engine)
+    from torch.utils.checkpoint import checkpoint
+
+    layer, reference = managed_and_reference(INT_BACKENDS[name](), device, bias=dtype == torch.bfloat16)
+    before = {k: mm.stats()[k] for k in ("ostris_decoded", "ostris_kept_bytes")}
+    for seed in (1, 2):
+        x = torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
+        results = []
+        for lin in (reference, layer):
+            xin = x.clone().requires_grad_(True)
+            # (a sine after the layer: checkpointing's recomputation stops at the last tensor the backward needs,
+            # which is then the sine's input, so the layer's recomputed call runs to its end)
+            block = lambda t, lin=lin: torch.sin(lin(t))  # noqa: E731
+            out = block(xin) if checkpointing == "none" else checkpoint(block, xin, use_reentrant=False)
+            out.float().square().sum().backward()
+            results.append((out.detach(), xin.grad))
+        (want, want_grad), (got, got_grad) = results
+        assert got.dtype == dtype and torch.equal(got, want) and torch.equal(got_grad, want_grad)
+    passes = 1 if checkpointing == "none" else 2
+    assert mm.stats()["ostris_decoded"] - before["ostris_decoded"] == 2 * passes
+    assert mm.stats()["ostris_kept_bytes"] - before["ostris_kept_bytes"] == 2 * stored_bytes(layer)
+    with torch.no_grad():
+        assert torch.equal(layer(x), reference(x))
+    assert mm.stats()["ostris_decoded"] - before["ostris_decoded"] == 2 * passes
+    assert mm.stats()["ostris_kept_bytes"] - before["ostris_kept_bytes"] == 2 * stored_bytes(layer)
+
+
+@pytest.mark.parametrize("kind,why", [
+    ("code_skew", "its weight decoded by layerstream differed from its own unpacked codes times scales"),
+    ("backward_scale", "its own training backward is not the gradient times its decoded weight")])
+def test_an_int_matmul_backend_that_is_not_the_format_runs_its_own_forward(engine, device, caplog, kind, why):
+    """A backend whose codes mean something else than the layout says, or whose backward is not grad @ weight,
+    fails the first call's proof: that call and the next are its own (bitwise its own results), INFO once."""
+    _streamed(engine)
+    mm._testing.reset_log_once()
+    caplog.set_level(logging.INFO, logger="layerstream")
+    backend = ConvRotIntNQuantizer(4, **{kind: 1 if kind == "code_skew" else 2.0})
+    layer, reference = managed_and_reference(backend, device)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(device)
+    before = mm.stats()["ostris_decoded"]
+    for _ in range(2):
+        got, got_grad = call_and_grad(layer, x)
+        want, want_grad = call_and_grad(reference, x)
+        assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+    assert mm.stats()["ostris_decoded"] == before
+    assert _info_lines(caplog) == [f"layerstream: AI-Toolkit's ConvRotIntNQuantizer layers run their own forward "
+                                   f"({why}); their buffers still stream as stored"]
