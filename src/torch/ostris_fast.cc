@@ -168,7 +168,11 @@ std::string fill(OstrisFast& f, const py::object& module, const py::object& q, c
 
 at::Tensor over_storage(const at::Tensor& t) {
   if (!t.defined()) return t;
-  return at::empty({0}, t.options()).set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
+  at::Tensor own = at::empty({0}, t.options()).set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
+  // One version counter with `t`, as a view has: a write in place through either is seen on `t`
+  // (with_staged_tensors reads it to know the forward wrote the staged copy).
+  own.unsafeGetTensorImpl()->set_version_counter(t.unsafeGetTensorImpl()->version_counter());
+  return own;
 }
 
 OstrisFast recognise_ostris(const py::object& module, const std::vector<std::string>& names) {

@@ -59,7 +59,8 @@ struct OstrisFast {
   bool refused = false;                 // a proof failed: this layer runs its own forward from now on
 };
 
-// A tensor of its own over `t`'s storage (same offset, sizes, strides; not a view of `t`), or `t` undefined. What
+// A tensor of its own over `t`'s storage (same offset, sizes, strides and version counter; not a view of `t`,
+// which would hold `t`), or `t` undefined. What
 // the layer's forward and autograd are handed of a staged tensor: whatever keeps one holds the storage, which is
 // what StreamedLayer::with_staged_tensors looks at. (Handing the staged tensor itself would not do: once torch
 // has made a Python object for a tensor, that object may hold it for as long as the tensor lives.)

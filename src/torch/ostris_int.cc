@@ -82,7 +82,18 @@ struct IntSteFn : public torch::autograd::Function<IntSteFn> {
     const IntRowsSpec spec{static_cast<std::size_t>(v[0]), static_cast<std::size_t>(v[1]),
                            static_cast<IntRowsSpec::Codes>(v[2]), static_cast<int>(v[3]),
                            static_cast<std::size_t>(v[4]), *type};
-    const at::Tensor w = decode_int_rows(spec, saved[0], saved[1], saved[2], g.scalar_type());
+    // What the forward saved, as the decoder reads it (contiguous, aligned): a saved-tensor hook may have given
+    // back other memory, or a view of it.
+    auto usable = [](const at::Tensor& t, std::uintptr_t align) {
+      if (!t.defined() || (t.is_contiguous() && reinterpret_cast<std::uintptr_t>(t.data_ptr()) % align == 0)) return t;
+      return t.contiguous().clone();
+    };
+    const at::Tensor packed = usable(saved[0], 8), ratio = usable(saved[1], 4), scale = usable(saved[2], 4);
+    LS_CHECK(packed.nbytes() == int_rows_packed_bytes(spec) && scale.nbytes() == spec.rows * 4 &&
+                 (!ratio.defined() || ratio.nbytes() == spec.rows * (spec.cols / spec.group) * 4),
+             "convrot int backward: the codes saved by its forward came back with other sizes (a saved-tensor hook "
+             "that changes what it is given?)");
+    const at::Tensor w = decode_int_rows(spec, packed, ratio, scale, g.scalar_type());
     return {at::matmul(g, w), at::Tensor()};
   }
 };
@@ -131,7 +142,7 @@ std::string int_rows_differ(const py::object& module, const IntCall& call, const
     if (!same_bits(theirs, at::matmul(gp, w))) {
       return "its own training backward is not the gradient times its decoded weight";
     }
-  } catch (py::error_already_set& e) {
+  } catch (const std::exception& e) {  // py::error_already_set, py::cast_error, c10::Error
     return std::string("its own unpack or training linear could not be called to check layerstream's: ") + e.what();
   }
   return "";
@@ -200,10 +211,14 @@ at::Tensor int_rows_decode(const at::Tensor& packed, const std::optional<at::Ten
                "int_rows_decode: codes are 'int8', 'bitfield' or 'ternary', not '", codes, "'");
   const at::Tensor p = packed.contiguous(), s = scales.contiguous();
   const at::Tensor r = ratio ? ratio->contiguous() : at::Tensor();
+  const std::int64_t per_row = r.defined() ? static_cast<std::int64_t>(r.nbytes() / 4) / rows : 0;
+  LS_CHECK_ARG(!r.defined() || (per_row > 0 && cols % per_row == 0 && per_row * rows * 4 == static_cast<std::int64_t>(r.nbytes())),
+               "int_rows_decode: ", r.defined() ? r.nbytes() / 4 : 0, " float32 ratios do not make whole groups of the ",
+               rows, " x ", cols, " rows");
   const IntRowsSpec spec{static_cast<std::size_t>(rows), static_cast<std::size_t>(cols),
                          codes == "int8" ? IntRowsSpec::Codes::kInt8
                          : codes == "bitfield" ? IntRowsSpec::Codes::kBitfield : IntRowsSpec::Codes::kTernary,
-                         bits, r.defined() ? static_cast<std::size_t>(cols / std::max<std::int64_t>(1, r.nbytes() / 4 / rows)) : 0,
+                         bits, r.defined() ? static_cast<std::size_t>(cols / per_row) : 0,
                          *type};
   check_int_rows_spec(spec);
   LS_CHECK_ARG(p.element_size() == 1 && p.nbytes() == int_rows_packed_bytes(spec) && s.nbytes() == spec.rows * 4 &&

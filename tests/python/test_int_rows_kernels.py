@@ -111,7 +111,9 @@ def test_bad_input_is_refused_with_what_to_fix():
         mm._testing.int_rows_decode(codes, None, scale, 4, 12, "bitfield", 4)
     with pytest.raises(ValueError, match="wrong size"):
         mm._testing.int_rows_decode(codes, None, scale, 4, 16, "bitfield", 4)  # 32 bytes of codes, not 64
-    with pytest.raises(ValueError, match="groups of 5 do not divide rows of 16"):
+    with pytest.raises(ValueError, match="12 float32 ratios do not make whole groups of the 4 x 16 rows"):
         mm._testing.int_rows_decode(codes, torch.ones(4, 3), scale, 4, 16, "int8")  # 3 ratios a row
+    with pytest.raises(ValueError, match="128 float32 ratios do not make whole groups"):
+        mm._testing.int_rows_decode(codes, torch.ones(4, 32), scale, 4, 16, "int8")  # more ratios than values
     with pytest.raises(ValueError, match="wrong size"):
         mm._testing.int_rows_decode(codes, torch.ones(4, 2), torch.ones(3), 4, 16, "int8")  # 3 row scales

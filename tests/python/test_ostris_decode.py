@@ -268,6 +268,37 @@ def test_a_backend_layerstream_does_not_know_runs_its_own_forward(engine, device
         "decode); their buffers still stream as stored"]
 
 
+class WritesItsBuffersQuantizer(UIntXQuantizer):
+    """A backend layerstream does not know whose forward writes one of its buffers in place after using it."""
+
+    def forward(self, module, x):
+        out = super().forward(module, x)
+        module.uintx_zero_point.add_(1)
+        return out
+
+
+WritesItsBuffersQuantizer.__module__ = "fake_aitk.util.uintx_quant"
+
+
+def test_a_buffer_the_forward_writes_in_place_is_fetched_again(engine, device):
+    """A forward that writes its staged buffers changes the device copy only (as under stock, whose copy of each
+    call is fresh): the next call computes with the host bytes again, fetched anew, not the written copy left in
+    the ring; a forward that writes nothing is served from the ring the second time."""
+    _streamed(engine)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).to(device)
+    for backend, writes in ((UIntXQuantizer(4), False), (WritesItsBuffersQuantizer(4), True)):
+        layer, _ = managed_and_reference(backend, device)
+        host = layer.uintx_zero_point.clone()
+        moved, outs = [], []
+        with torch.no_grad():
+            for _ in range(2):
+                before = mm.stats()["bytes_h2d"]
+                outs.append(layer(x))
+                moved.append(mm.stats()["bytes_h2d"] - before)
+        assert torch.equal(outs[0], outs[1]) and torch.equal(layer.uintx_zero_point, host)
+        assert moved == [layer._layer_memory_manager.packed_bytes] * 2 if writes else moved[1] == 0
+
+
 def test_the_switch_turns_the_decoder_off(engine, device, caplog):
     _streamed(engine)
     mm.configure(ostris_decode="0")
