@@ -230,22 +230,28 @@ def _info_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "layerstream" and "run their own forward" in r.getMessage()]
 
 
-def test_a_backend_whose_dequantization_differs_runs_its_own_forward(engine, device, caplog):
-    _streamed(engine)
+def _refused(backend, device, caplog, seed: int) -> list[str]:
+    """Two training calls of a managed layer of `backend` are bitwise its own, none decoded here; the INFO
+    lines."""
     mm._testing.reset_log_once()
     caplog.set_level(logging.INFO, logger="layerstream")
-    backend = UIntXQuantizer(4, zero_skew=1)  # its codes mean something else than the format says
     layer, reference = managed_and_reference(backend, device)
-    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(device)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(device)
     before = mm.stats()["ostris_decoded"]
     for _ in range(2):
         got, got_grad = call_and_grad(layer, x)
         want, want_grad = call_and_grad(reference, x)
         assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
     assert mm.stats()["ostris_decoded"] == before
-    assert _info_lines(caplog) == ["layerstream: AI-Toolkit's UIntXQuantizer layers run their own forward (its weight "
-                                   "decoded by layerstream differed from its own dequantization); their buffers still "
-                                   "stream as stored"]
+    return _info_lines(caplog)
+
+
+def test_a_backend_whose_dequantization_differs_runs_its_own_forward(engine, device, caplog):
+    _streamed(engine)
+    # (zero_skew: its codes mean something else than the format says)
+    assert _refused(UIntXQuantizer(4, zero_skew=1), device, caplog, 4) == [
+        "layerstream: AI-Toolkit's UIntXQuantizer layers run their own forward (its weight decoded by layerstream "
+        "differed from its own dequantization); their buffers still stream as stored"]
 
 
 def _own_forward_only(backend, device, caplog) -> list[str]:
@@ -504,16 +510,7 @@ def test_an_int_matmul_backend_that_is_not_the_format_runs_its_own_forward(engin
     """A backend whose codes mean something else than the layout says, or whose backward is not grad @ weight,
     fails the first call's proof: that call and the next are its own (bitwise its own results), INFO once."""
     _streamed(engine)
-    mm._testing.reset_log_once()
-    caplog.set_level(logging.INFO, logger="layerstream")
     backend = ConvRotIntNQuantizer(4, **{kind: 1 if kind == "code_skew" else 2.0})
-    layer, reference = managed_and_reference(backend, device)
-    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(device)
-    before = mm.stats()["ostris_decoded"]
-    for _ in range(2):
-        got, got_grad = call_and_grad(layer, x)
-        want, want_grad = call_and_grad(reference, x)
-        assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
-    assert mm.stats()["ostris_decoded"] == before
-    assert _info_lines(caplog) == [f"layerstream: AI-Toolkit's ConvRotIntNQuantizer layers run their own forward "
-                                   f"({why}); their buffers still stream as stored"]
+    assert _refused(backend, device, caplog, 6) == [
+        f"layerstream: AI-Toolkit's ConvRotIntNQuantizer layers run their own forward ({why}); their buffers still "
+        "stream as stored"]
