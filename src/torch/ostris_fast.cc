@@ -219,7 +219,6 @@ OstrisFast recognise_ostris(const py::object& module, const std::vector<std::str
 
 namespace {
 
-
 // Each decodes the staged buffers into `w` ([rows, cols] of the input's type), or returns why it cannot
 // (buffers whose sizes or types are not the format's).
 std::string decode_uintx_into(const OstrisFast& f, const std::vector<at::Tensor>& staged, at::Tensor& w,

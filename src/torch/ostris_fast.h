@@ -9,7 +9,7 @@
 // through a chain of about fifteen torch passes, is one kernel plus torch's amax and add.
 // The ConvRot backends whose forward is an int8 matmul (convrot8, convrotint2..8, convrotbitnet,
 // convrotcomfyw4a4) keep their forward; in training their straight-through backward, grad @ (code8 * scale),
-// builds that weight from the saved codes in one kernel (IntSteFn in ostris_fast.cc) instead of the backend's
+// builds that weight from the saved codes in one kernel (IntSteFn in ostris_int.cc) instead of the backend's
 // unpack, cast and multiply.
 //
 // The backend is recognised by its class and module (toolkit.util.<name>_quant) and its buffers; the layer's
