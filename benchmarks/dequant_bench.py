@@ -7,6 +7,10 @@ decoder (LAYERSTREAM_HOST_DTYPE=lossless) on weight-like values of the same shap
 
     python benchmarks/dequant_bench.py [--json-out FILE] [--peak-gbs 4800]
 
+With --nvfp4: the nvfp4 weight decode (AI-Toolkit's nvfp4 and convrot4 backends) on FLUX.2 layer shapes, against
+AI-Toolkit's own single-pass Triton dequantize_nvfp4 when a checkout is importable (the first path in
+AI_TOOLKIT_DIR): time per call, GB/s (codes + scales read, bf16 written) and whether both give the same bits.
+
 With --contention (GPU only): what a lossless decode on a side stream costs a chain of bfloat16 GEMMs on
 the compute stream (a FLUX.2-shaped linear), at several limits on the decode's thread blocks
 (LAYERSTREAM_DECODE_BLOCKS): the chain alone, then beside as many decodes as the bus would deliver packed
@@ -133,12 +137,66 @@ def contention(device, caps: list[int], bus_gbs: float, repeats: int = 5) -> lis
     return rows
 
 
+NVFP4_SHAPES = [(18432, 6144), (6144, 18432), (36864, 6144), (6144, 6144)]  # FLUX.2 MLP up/down, fused, attn
+
+
+def _aitk_dequantize_nvfp4():
+    """AI-Toolkit's dequantize_nvfp4 from the checkout in AI_TOOLKIT_DIR (its first path), or None."""
+    import os
+    root = os.environ.get("AI_TOOLKIT_DIR", "").split(os.pathsep)[0]
+    if not root:
+        return None
+    sys.path.insert(0, root)
+    try:
+        from toolkit.util.convrot_quant import dequantize_nvfp4
+    except Exception as e:  # noqa: BLE001 - a checkout that does not import: report and go on without it
+        print(f"AI-Toolkit's dequantize_nvfp4 not importable from {root}: {e}", flush=True)
+        return None
+    finally:
+        sys.path.remove(root)
+    return dequantize_nvfp4
+
+
+def nvfp4(device, shapes: list[tuple[int, int]], repeats: int, peak_gbs: float | None) -> list[dict]:
+    """layerstream's nvfp4 decode against AI-Toolkit's (see the module's docstring)."""
+    theirs = _aitk_dequantize_nvfp4() if device.type == "cuda" else None
+    print(f"\nnvfp4 decode (bf16 out): layerstream, then {'AI-Toolkit' if theirs else 'no AI-Toolkit'}'s "
+          "dequantize_nvfp4", flush=True)
+    rows = []
+    for r, c in shapes:
+        gen = torch.Generator(device="cpu").manual_seed(r * 13 + c)
+        packed = torch.randint(0, 256, (r, c // 2), generator=gen, dtype=torch.uint8).to(device)
+        scales = torch.randint(0, 0x7f, (r, c // 16), generator=gen, dtype=torch.uint8)  # positive, no NaN
+        scales = scales.to(device)
+        pts = torch.tensor([3e-3], dtype=torch.float32).view(torch.uint8).to(device)
+        mine = lambda: mm._testing.nvfp4_decode(packed, scales, pts, r, c, "bfloat16")  # noqa: E731
+        moved = packed.numel() + scales.numel() + r * c * 2
+        t_k = _time(mine, device, repeats)
+        gbs_k = moved / t_k / 1e9
+        share = gbs_k / peak_gbs * 100 if peak_gbs else None
+        row = {"kind": "nvfp4", "shape": [r, c], "device": str(device), "kernel_s": t_k, "kernel_gbs": gbs_k,
+               "kernel_share_of_peak": share, "same_bits": True}
+        cols = f"{'-':>10} {'-':>8}"
+        if theirs is not None:
+            pts_f = pts.view(torch.float32)
+            other = lambda: theirs(packed, scales.view(torch.float8_e4m3fn), pts_f, r, c, torch.bfloat16)  # noqa: E731
+            row["same_bits"] = torch.equal(mine().view(torch.int16), other().view(torch.int16))
+            t_o = _time(other, device, repeats)
+            row.update(aitk_s=t_o, aitk_gbs=moved / t_o / 1e9)
+            cols = f"{t_o * 1e6:>10.1f} {moved / t_o / 1e9:>8.0f}"
+        rows.append(row)
+        _print_row("nvfp4 weight (torch cols: AI-Toolkit Triton)", r, c, t_k, gbs_k, share, cols, row["same_bits"])
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json-out")
     parser.add_argument("--peak-gbs", type=float, default=None,
                         help="HBM peak in GB/s for the percentage (H200: 4800); default: none shown")
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--nvfp4", action="store_true",
+                        help="also the nvfp4 weight decode, beside AI-Toolkit's when AI_TOOLKIT_DIR is set")
     parser.add_argument("--contention", action="store_true",
                         help="GPU: also the decode beside a GEMM chain at several block limits")
     parser.add_argument("--contention-blocks", default="0,2048,1024,528,264,132,66,32,16",
@@ -190,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                      "kernel_gbs": gbs_k, "kernel_share_of_peak": share, "packed_ratio": ratio,
                      "exceptions": spec[1], "same_bits": same})
         _print_row(label, r, c, t_k, gbs_k, share, f"{'-':>10} {'-':>8}", same)  # no torch counterpart
+    if args.nvfp4:
+        rows += nvfp4(device, NVFP4_SHAPES if cuda else [(32, 64)], repeats, args.peak_gbs)
     if args.contention and cuda:
         rows += contention(device, [int(c) for c in args.contention_blocks.split(",")], args.bus_gbs)
     if args.json_out:

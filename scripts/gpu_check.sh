@@ -12,6 +12,8 @@
 #   race   racecheck: the control without layerstream, and the bf16 equality cases (hazards only in cuDNN)
 #   san    the pytest equality suite under memcheck, synccheck and racecheck (side by side)
 #   quant  the dequantization kernel: its core test (plain and memcheck) and its bandwidth
+#   nvfp4dec  the nvfp4 weight decode's bandwidth on FLUX.2 shapes beside AI-Toolkit's Triton kernel (needs
+#          AI_TOOLKIT_DIR for that; dequant_bench.py --nvfp4)
 #   bench  reliability figures, per-call overhead, the FLUX.1-shaped side by side (see below)
 #   rel, overhead  the first two of those alone
 #   quick  the quantized path's device tests, the ring-OOM test, the kernel's bandwidth, AI-Toolkit's real
@@ -653,6 +655,14 @@ if want mem; then
     flux "mem_$item" LAYERSTREAM_VRAM_BUDGET=auto "LAYERSTREAM_VRAM_GAP=$rule" "${args[@]}" --mode layerstream
     grep -E "found no room|VRAM budget on" "$OUT/all.log" | tail -n 4 | sed 's/^/      /' >>"$OUT/summary.txt"
   done
+fi
+
+if want nvfp4dec; then
+  ensure_installed
+  step "nvfp4 weight decode: layerstream beside AI-Toolkit's dequantize_nvfp4"
+  run nvfp4_decode python3 benchmarks/dequant_bench.py --peak-gbs 4800 --repeats 20 --nvfp4 \
+    --json-out "$OUT/nvfp4_decode.json"
+  grep -E "^nvfp4 weight" "$OUT/all.log" | sed 's/^/      /' >>"$OUT/summary.txt"
 fi
 
 if want ostris; then

@@ -127,7 +127,9 @@ __global__ void decode_codebook(CodebookArgs a) {
   }
 }
 
-// nvfp4 (ostris_decode.h): a thread per block of 16 values, which share one scale byte and eight code bytes.
+// nvfp4 (ostris_decode.h): a thread per eight values (half a block of 16, which share one scale byte): four code
+// bytes in one 32-bit load where the codes are 4-byte aligned, and one 16-byte store, so that a warp reads 128
+// consecutive bytes of codes and writes consecutive 16-byte pieces.
 __device__ __forceinline__ float e4m3_value(std::uint32_t code) {
   const std::uint32_t e = (code >> 3) & 15u, m = code & 7u;
   float v;
@@ -166,30 +168,38 @@ __device__ __forceinline__ float e2m1_value(std::uint32_t code) {
 }
 
 struct Nvfp4Args {
-  static constexpr std::size_t kValuesPerThread = 16;
+  static constexpr std::size_t kValuesPerThread = kPerThread;
   const std::uint8_t* packed;
   const std::uint8_t* scales;
   const float* pts;
   void* out;
-  std::size_t n, blocks;  // values, and blocks of 16 of them (one per thread)
+  std::size_t n, chunks;  // values, and runs of eight of them (one per thread)
+  bool word_loads;        // the codes are 4-byte aligned: one 32-bit load per thread
 };
 
 template <RealType O, typename I>
 __global__ void decode_nvfp4(Nvfp4Args a) {
   const float pts = __ldg(a.pts);
-  const I blocks = static_cast<I>(a.blocks);
+  const I chunks = static_cast<I>(a.chunks);
   const I step = static_cast<I>(gridDim.x) * blockDim.x;
-  for (I b = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; b < blocks; b += step) {
-    const float sp = __fmul_rn(e4m3_value(__ldg(a.scales + b)), pts);
-    float v[2][kPerThread];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const std::uint32_t byte = __ldg(a.packed + static_cast<std::size_t>(b) * 8 + k);
-      v[k / 4][(k % 4) * 2] = __fmul_rn(e2m1_value(byte & 15u), sp);
-      v[k / 4][(k % 4) * 2 + 1] = __fmul_rn(e2m1_value(byte >> 4), sp);
+  for (I c = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; c < chunks; c += step) {
+    const float sp = __fmul_rn(e4m3_value(__ldg(a.scales + c / 2)), pts);
+    std::uint32_t word;
+    if (a.word_loads) {
+      word = __ldg(reinterpret_cast<const std::uint32_t*>(a.packed) + c);
+    } else {
+      const std::uint8_t* p = a.packed + static_cast<std::size_t>(c) * 4;
+      word = __ldg(p) | (std::uint32_t{__ldg(p + 1)} << 8) | (std::uint32_t{__ldg(p + 2)} << 16) |
+             (std::uint32_t{__ldg(p + 3)} << 24);
     }
-    store8<O>(a.out, static_cast<std::size_t>(b) * 16, v[0]);
-    store8<O>(a.out, static_cast<std::size_t>(b) * 16 + kPerThread, v[1]);
+    float v[kPerThread];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {  // byte k (little-endian) holds values 2k (low nibble) and 2k + 1
+      const std::uint32_t byte = (word >> (8 * k)) & 0xffu;
+      v[2 * k] = __fmul_rn(e2m1_value(byte & 15u), sp);
+      v[2 * k + 1] = __fmul_rn(e2m1_value(byte >> 4), sp);
+    }
+    store8<O>(a.out, static_cast<std::size_t>(c) * kPerThread, v);
   }
 }
 
@@ -406,7 +416,7 @@ void decode_nvfp4_cuda(const Nvfp4Spec& spec, const std::uint8_t* packed, const 
   check_nvfp4_spec(spec);
   check_wide(spec.cols, 16, out);
   const std::size_t n = spec.rows * spec.cols;
-  Nvfp4Args a{packed, scales, pts, out, n, n / 16};
+  Nvfp4Args a{packed, scales, pts, out, n, n / kPerThread, reinterpret_cast<std::uintptr_t>(packed) % 4 == 0};
   launch<Nvfp4Kernel>(a, spec.out, static_cast<cudaStream_t>(stream));
   LS_CUDA_CHECK_MSG(cudaGetLastError(), "nvfp4 decode kernel launch failed");
 }

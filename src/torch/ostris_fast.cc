@@ -166,15 +166,6 @@ std::string fill(OstrisFast& f, const py::object& module, const py::object& q, c
 
 }  // namespace
 
-at::Tensor over_storage(const at::Tensor& t) {
-  if (!t.defined()) return t;
-  at::Tensor own = at::empty({0}, t.options()).set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
-  // One version counter with `t`, as a view has: a write in place through either is seen on `t`
-  // (with_staged_tensors reads it to know the forward wrote the staged copy).
-  own.unsafeGetTensorImpl()->set_version_counter(t.unsafeGetTensorImpl()->version_counter());
-  return own;
-}
-
 OstrisFast recognise_ostris(const py::object& module, const std::vector<std::string>& names) {
   OstrisFast f;
   const py::object q = py::getattr(module, "ostris_quantizer", py::none());
@@ -390,8 +381,8 @@ std::optional<py::object> ostris_fast_forward(const py::object& module, OstrisFa
     return py::cast(at::linear(xin, w, b));
   }
   if (convrot) return convrot4_forward(fast, x, xt, w, b, rows, cols, decoded_on_cuda);
-  const py::object x_rot = fast.rotate(x, over_storage(staged[static_cast<std::size_t>(fast.perm)]),
-                                       over_storage(staged[static_cast<std::size_t>(fast.signs)]), fast.block);
+  const py::object x_rot = fast.rotate(x, staged[static_cast<std::size_t>(fast.perm)],
+                                       staged[static_cast<std::size_t>(fast.signs)], fast.block);
   return py::cast(at::linear(x_rot.cast<at::Tensor>(), w, b));
 }
 

@@ -49,6 +49,8 @@ struct OstrisFast {
   IntRowsSpec::Codes codes = IntRowsSpec::Codes::kInt8;  // convrot int: how the codes are stored
   std::int64_t ratio_group = 0;  // convrot int: columns per ratio (0: none)
   py::object int8_gemm;          // convrot int: the backend module's _int8_gemm_supported
+  int int8_gemm_device = -2;     // the device index it was last asked for (-2: never), and its answer
+  bool int8_gemm_here = false;
   // convrot4: the backend module's rotate, quantize_nvfp4, dequantize_nvfp4 and _fp4_gemm_supported.
   py::object quantize, dequantize, fp4_gemm;
   py::object rotate;     // codebook formats: the backend module's rpbh_forward(x, perm, signs, block)
@@ -59,19 +61,12 @@ struct OstrisFast {
   bool refused = false;                 // a proof failed: this layer runs its own forward from now on
 };
 
-// A tensor of its own over `t`'s storage (same offset, sizes, strides and version counter; not a view of `t`,
-// which would hold `t`), or `t` undefined. What
-// the layer's forward and autograd are handed of a staged tensor: whatever keeps one holds the storage, which is
-// what StreamedLayer::with_staged_tensors looks at. (Handing the staged tensor itself would not do: once torch
-// has made a Python object for a tensor, that object may hold it for as long as the tensor lives.)
-at::Tensor over_storage(const at::Tensor& t);
-
 // What this layer's backend is, from its class, attributes and buffers (in the packed order `names`).
 OstrisFast recognise_ostris(const py::object& module, const std::vector<std::string>& names);
 
 // The layer's output with the weight decoded here, or nullopt when this call must run the layer's own forward
 // (not a recognised backend, an input this decoder does not take, a failed proof). `staged` are the layer's
-// buffers on the device in the packed order, then its bias; `bias` is the layer's bias Parameter or None.
+// buffers on the device in the packed order, then its bias, as StreamedLayer::with_staged_tensors hands them; `bias` is the layer's bias Parameter or None.
 // `decoded_on_cuda`: whether the CUDA kernels (else the host reference, for the simulator) decode.
 std::optional<py::object> ostris_fast_forward(const py::object& module, OstrisFast& fast,
                                               const std::vector<at::Tensor>& staged, const py::object& bias,

@@ -27,6 +27,20 @@ IntRowsSpec int_rows_spec(const OstrisFast& f, std::int64_t rows, std::int64_t c
                      static_cast<std::size_t>(f.ratio_group), out};
 }
 
+// Whether the codes, row scales (float32) and group ratios (float32 per row and group; none where spec.group is
+// 0) have the byte sizes of `spec`: the forward's, the backward's and the test hook's check.
+bool int_rows_sizes_match(const IntRowsSpec& s, const at::Tensor& packed, const at::Tensor& ratio,
+                          const at::Tensor& scale) {
+  const bool ratios = s.group == 0 ? !ratio.defined() : ratio.defined() && ratio.nbytes() == s.rows * (s.cols / s.group) * 4;
+  return ratios && packed.defined() && scale.defined() && packed.nbytes() == int_rows_packed_bytes(s) &&
+         scale.nbytes() == s.rows * 4;
+}
+
+// The name the backend passes its op for an input type (real_type_of says it is one of these).
+const char* dtype_name(c10::ScalarType t) {
+  return t == at::kBFloat16 ? "bfloat16" : t == at::kHalf ? "float16" : "float32";
+}
+
 at::Tensor decode_int_rows(const IntRowsSpec& spec, const at::Tensor& packed, const at::Tensor& ratio,
                            const at::Tensor& scale, c10::ScalarType type) {
   at::Tensor w = at::empty({static_cast<std::int64_t>(spec.rows), static_cast<std::int64_t>(spec.cols)},
@@ -89,8 +103,7 @@ struct IntSteFn : public torch::autograd::Function<IntSteFn> {
       return t.contiguous().clone();
     };
     const at::Tensor packed = usable(saved[0], 8), ratio = usable(saved[1], 4), scale = usable(saved[2], 4);
-    LS_CHECK(packed.nbytes() == int_rows_packed_bytes(spec) && scale.nbytes() == spec.rows * 4 &&
-                 (!ratio.defined() || ratio.nbytes() == spec.rows * (spec.cols / spec.group) * 4),
+    LS_CHECK(int_rows_sizes_match(spec, packed, ratio, scale),
              "convrot int backward: the codes saved by its forward came back with other sizes (a saved-tensor hook "
              "that changes what it is given?)");
     const at::Tensor w = decode_int_rows(spec, packed, ratio, scale, g.scalar_type());
@@ -158,25 +171,29 @@ std::optional<py::object> convrot_int_forward(const py::object& module, OstrisFa
                                               const at::Tensor& xt, std::int64_t rows, std::int64_t cols,
                                               bool on_cuda) {
   if (!xt.requires_grad() || xt.numel() == 0) return std::nullopt;
-  if (!fast.int8_gemm(x.attr("device")).cast<bool>()) {
+  // The backend's answer for the layer's device, asked once (it looks at the device's capability).
+  if (fast.int8_gemm_device != xt.device().index()) {
+    fast.int8_gemm_here = fast.int8_gemm(x.attr("device")).cast<bool>();
+    fast.int8_gemm_device = xt.device().index();
+  }
+  if (!fast.int8_gemm_here) {
     own_forward(fast.backend, "no int8 matmul on this device: its fake-quantized fallback runs");
     return std::nullopt;
   }
   const c10::ScalarType dtype = xt.scalar_type();
-  // (Tensors of their own over the staged storages: see over_storage.)
-  IntCall call{module.attr("ostris_quantizer").attr("_linear_ste"), module,
-               py::str(x.attr("dtype")).attr("split")(".")[py::int_(-1)],
-               over_storage(staged[static_cast<std::size_t>(fast.packed)]),
-               fast.ratio >= 0 ? over_storage(staged[static_cast<std::size_t>(fast.ratio)]) : at::Tensor(),
-               over_storage(staged[static_cast<std::size_t>(fast.scale)]), int_rows_spec(fast, rows, cols, *real_type_of(dtype))};
-  auto bytes_ok = [&](const at::Tensor& t, std::size_t n, std::uintptr_t align) {
-    return t.defined() && t.is_contiguous() && t.element_size() == 1 && t.nbytes() == n &&
-           (!on_cuda || reinterpret_cast<std::uintptr_t>(t.data_ptr()) % align == 0);
+  IntCall call{module.attr("ostris_quantizer").attr("_linear_ste"), module, py::str(dtype_name(dtype)),
+               staged[static_cast<std::size_t>(fast.packed)],
+               fast.ratio >= 0 ? staged[static_cast<std::size_t>(fast.ratio)] : at::Tensor(),
+               staged[static_cast<std::size_t>(fast.scale)], int_rows_spec(fast, rows, cols, *real_type_of(dtype))};
+  // Bytes, contiguous, aligned as the device kernel reads them (undefined: no ratios, which the sizes check).
+  auto layout_ok = [&](const at::Tensor& t, std::uintptr_t align) {
+    return !t.defined() || (t.is_contiguous() && t.element_size() == 1 &&
+                            (!on_cuda || reinterpret_cast<std::uintptr_t>(t.data_ptr()) % align == 0));
   };
   std::string why;
-  if (!bytes_ok(call.packed, int_rows_packed_bytes(call.spec), fast.codes == IntRowsSpec::Codes::kInt8 ? 8 : 1) ||
-      !bytes_ok(call.scale, static_cast<std::size_t>(rows) * 4, 4) ||
-      (fast.ratio >= 0 && !bytes_ok(call.ratio, static_cast<std::size_t>(rows * (cols / fast.ratio_group)) * 4, 4))) {
+  if (!int_rows_sizes_match(call.spec, call.packed, call.ratio, call.scale) ||
+      !layout_ok(call.packed, fast.codes == IntRowsSpec::Codes::kInt8 ? 8 : 1) || !layout_ok(call.scale, 4) ||
+      !layout_ok(call.ratio, 4)) {
     why = "buffers whose sizes are not its format's for this layer";
   } else if (on_cuda && (cols % 8 != 0 || (fast.ratio_group != 0 && fast.ratio_group % 8 != 0))) {
     why = "rows or groups that are not multiples of 8 values (the device kernel takes eight at a time)";
@@ -221,8 +238,7 @@ at::Tensor int_rows_decode(const at::Tensor& packed, const std::optional<at::Ten
                          bits, r.defined() ? static_cast<std::size_t>(cols / per_row) : 0,
                          *type};
   check_int_rows_spec(spec);
-  LS_CHECK_ARG(p.element_size() == 1 && p.nbytes() == int_rows_packed_bytes(spec) && s.nbytes() == spec.rows * 4 &&
-                   (!r.defined() || r.nbytes() == spec.rows * (spec.cols / spec.group) * 4),
+  LS_CHECK_ARG(p.element_size() == 1 && ostris_detail::int_rows_sizes_match(spec, p, r, s),
                "int_rows_decode: codes, row scales (float32) or ratios (float32 per row and group) of the wrong size");
   return ostris_detail::decode_int_rows(spec, p, r, s, out);
 }

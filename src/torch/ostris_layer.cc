@@ -84,14 +84,7 @@ py::object ostris_forward(const py::object& module, LayerManager& core, const py
   // The staged tensors are views of the ring region: the host views go back in before the region does
   // (with_staged_tensors then copies out whatever the forward kept of them).
   core.layer->with_staged_tensors([&](const std::vector<at::Tensor>& staged) {
-    // The layer is handed tensors of its own over the staged storages, not the staged tensors: a Python object
-    // made for a tensor may hold it after the layer has dropped it (torch keeps the object alive with its
-    // tensor), which would make every staged tensor look kept. What does keep one of these (autograd) holds its
-    // storage, which is what with_staged_tensors looks at.
-    std::vector<at::Tensor> shown;
-    shown.reserve(staged.size());
-    for (const at::Tensor& t : staged) shown.push_back(over_storage(t));
-    swap_in(shown);
+    swap_in(staged);
     try {
       std::optional<py::object> decoded =
           ostris_fast_forward(module, core.ostris_fast, staged, bias, x, state->mode() == Mode::kCuda);

@@ -179,8 +179,9 @@ class StreamedLayer : public torch::CustomClassHolder {
   // stays current (its device copy is dropped).
   bool tensors_current(const std::vector<at::Tensor>& tensors);
   // Runs `fn(staged)` for one call of a layer that runs its own forward (OstrisLinear): the packed tensors
-  // are fetched through the engine (prefetched when predicted) and handed over as views of the region
-  // itself (ring or resident), with no copy; the region is released after `fn`. When `fn` returns or
+  // are fetched through the engine (prefetched when predicted) and handed over over the region itself
+  // (ring or resident), with no copy, as tensors of their own that share the staged storages and version
+  // counters (never the staged tensors, which stay private to this call); the region is released after `fn`. When `fn` returns or
   // throws, a staged tensor that something still holds (autograd saved it, a view of it lives on) gets
   // memory of torch's allocator with a copy of its bytes, enqueued on torch's current stream before the
   // release, so what holds it never sees the region reused; one that `fn` wrote in place drops the layer's

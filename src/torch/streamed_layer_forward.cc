@@ -193,6 +193,19 @@ void own_storage(const at::Tensor& t, bool on_host) {
   impl->set_data_ptr_noswap(fresh.storage().unsafeGetStorageImpl()->set_data_ptr(at::DataPtr(nullptr, t.device())));
 }
 
+// A tensor of its own over `t`'s storage (same offset, sizes, strides and version counter; not a view of `t`,
+// which would hold `t`), or `t` undefined: what `fn` is handed of a staged tensor. Whatever keeps one holds the
+// storage, which settle looks at, and `staged` itself stays private: handing it out would not do, since once
+// torch has made a Python object for a tensor, that object may hold it for as long as the tensor lives, which
+// would make every staged tensor look kept. The shared version counter makes a write in place through `fn`'s
+// tensor visible on the staged one.
+at::Tensor over_storage(const at::Tensor& t) {
+  if (!t.defined()) return t;
+  at::Tensor own = at::empty({0}, t.options()).set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
+  own.unsafeGetTensorImpl()->set_version_counter(t.unsafeGetTensorImpl()->version_counter());
+  return own;
+}
+
 }  // namespace
 
 void StreamedLayer::with_staged_tensors(const std::function<void(const std::vector<at::Tensor>&)>& fn) {
@@ -216,8 +229,15 @@ void StreamedLayer::with_staged_tensors(const std::function<void(const std::vect
         }
       }
     };
+    // `fn`'s tensors of their own over the staged storages, dropped before settle on every exit.
+    auto call = [&] {
+      std::vector<at::Tensor> shown;
+      shown.reserve(staged.size());
+      for (const at::Tensor& t : staged) shown.push_back(over_storage(t));
+      fn(shown);
+    };
     try {
-      fn(staged);
+      call();
     } catch (...) {
       settle();
       throw;
