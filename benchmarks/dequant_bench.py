@@ -157,6 +157,23 @@ def _aitk_dequantize_nvfp4():
     return dequantize_nvfp4
 
 
+def _nvfp4_differences(a, b, packed, scales) -> dict:
+    """Where two bf16 decodes of the same codes differ: how many values, and the first few with their scale
+    byte, their code and both results (as floats and bits)."""
+    where = (a != b).flatten().nonzero().flatten()
+    cols = a.shape[1]
+    first = []
+    for i in where[:6].tolist():
+        r, c = divmod(i, cols)
+        byte = int(packed[r, c // 2])
+        code = byte & 15 if c % 2 == 0 else byte >> 4
+        first.append({"row": r, "col": c, "scale_byte": int(scales[r, c // 16]), "code": code,
+                      "mine": [float(a[r, c].view(torch.bfloat16)), int(a[r, c]) & 0xFFFF],
+                      "theirs": [float(b[r, c].view(torch.bfloat16)), int(b[r, c]) & 0xFFFF]})
+    subnormal = (scales.flatten()[where // 16] < 8).sum().item() if where.numel() else 0
+    return {"count": int(where.numel()), "with_subnormal_scale": int(subnormal), "first": first}
+
+
 def nvfp4(device, shapes: list[tuple[int, int]], repeats: int, peak_gbs: float | None) -> list[dict]:
     """layerstream's nvfp4 decode against AI-Toolkit's (see the module's docstring)."""
     theirs = _aitk_dequantize_nvfp4() if device.type == "cuda" else None
@@ -180,7 +197,11 @@ def nvfp4(device, shapes: list[tuple[int, int]], repeats: int, peak_gbs: float |
         if theirs is not None:
             pts_f = pts.view(torch.float32)
             other = lambda: theirs(packed, scales.view(torch.float8_e4m3fn), pts_f, r, c, torch.bfloat16)  # noqa: E731
-            row["same_bits"] = torch.equal(mine().view(torch.int16), other().view(torch.int16))
+            a, b = mine().view(torch.int16), other().view(torch.int16)
+            row["same_bits"] = torch.equal(a, b)
+            if not row["same_bits"]:
+                row["differ"] = _nvfp4_differences(a, b, packed, scales)
+                print(f"  {row['differ']['count']} values differ; first: {row['differ']['first']}", flush=True)
             t_o = _time(other, device, repeats)
             row.update(aitk_s=t_o, aitk_gbs=moved / t_o / 1e9)
             cols = f"{t_o * 1e6:>10.1f} {moved / t_o / 1e9:>8.0f}"
