@@ -186,7 +186,7 @@ def nvfp4(device, shapes: list[tuple[int, int]], repeats: int, peak_gbs: float |
         scales = torch.randint(0, 0x7f, (r, c // 16), generator=gen, dtype=torch.uint8)  # positive, no NaN
         scales = scales.to(device)
         pts = torch.tensor([3e-3], dtype=torch.float32).view(torch.uint8).to(device)
-        mine = lambda: mm._testing.nvfp4_decode(packed, scales, pts, r, c, "bfloat16")  # noqa: E731
+        mine = lambda: mm._testing.nvfp4_decode(packed, scales, pts, r, c, "bfloat16", plus_zero=True)  # noqa: E731
         moved = packed.numel() + scales.numel() + r * c * 2
         t_k = _time(mine, device, repeats)
         gbs_k = moved / t_k / 1e9

@@ -20,6 +20,8 @@
 //   bits: sign 8, magnitude index 0..7 into [0, .5, 1, 1.5, 2, 3, 4, 6]), one e4m3 scale byte per 16 columns
 //   of a row, one float32 tensor scale `pts`:
 //     w[r, c] = to_out( e2m1(code) * (e4m3(scale[r, c / 16]) * pts) )   (float products, each rounded once)
+//   where code 8 (a zero with the sign bit) is -0, as AI-Toolkit's torch path gives it (magnitude times -1), or
+//   +0 with `plus_zero`, as its Triton kernel gives it (its negation of a zero magnitude is +0).
 //
 // And the straight-through activation of convrot4 where the GPU has no fp4 matmul (AI-Toolkit quantizes the
 // rotated input to nvfp4 with per-16 amax scales and multiplies by the dequantized value): for x [rows, cols]
@@ -88,6 +90,7 @@ struct Nvfp4Spec {
   std::size_t rows = 0;
   std::size_t cols = 0;  // a multiple of 16
   RealType out = RealType::kBFloat16;
+  bool plus_zero = false;  // code 8 decodes as +0 (else -0); see above
 };
 
 struct IntRowsSpec {

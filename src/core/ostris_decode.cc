@@ -239,7 +239,7 @@ void decode_nvfp4_host(const Nvfp4Spec& spec, const std::uint8_t* packed, const 
   for (std::size_t i = 0; i < n; ++i) {
     const std::uint8_t code = static_cast<std::uint8_t>((packed[i / 2] >> ((i & 1) * 4)) & 15);
     const float sp = decode_code(CodeType::kFloat8E4M3, scales[i / kNvfp4Block]) * p;
-    const float v = (code & 8) ? -kE2m1[code & 7] : kE2m1[code & 7];
+    const float v = (code == 8 && spec.plus_zero) ? 0.0f : (code & 8) ? -kE2m1[code & 7] : kE2m1[code & 7];
     store_real(spec.out, v * sp, o + i * osize);
   }
 }

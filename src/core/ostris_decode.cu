@@ -175,6 +175,7 @@ struct Nvfp4Args {
   void* out;
   std::size_t n, chunks;  // values, and runs of eight of them (one per thread)
   bool word_loads;        // the codes are 4-byte aligned: one 32-bit load per thread
+  bool plus_zero;         // code 8 decodes as +0 (Nvfp4Spec)
 };
 
 template <RealType O, typename I>
@@ -196,8 +197,9 @@ __global__ void decode_nvfp4(Nvfp4Args a) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {  // byte k (little-endian) holds values 2k (low nibble) and 2k + 1
       const std::uint32_t byte = (word >> (8 * k)) & 0xffu;
-      v[2 * k] = __fmul_rn(e2m1_value(byte & 15u), sp);
-      v[2 * k + 1] = __fmul_rn(e2m1_value(byte >> 4), sp);
+      const std::uint32_t lo = byte & 15u, hi = byte >> 4;
+      v[2 * k] = __fmul_rn((a.plus_zero && lo == 8u) ? 0.0f : e2m1_value(lo), sp);
+      v[2 * k + 1] = __fmul_rn((a.plus_zero && hi == 8u) ? 0.0f : e2m1_value(hi), sp);
     }
     store8<O>(a.out, static_cast<std::size_t>(c) * kPerThread, v);
   }
@@ -416,7 +418,8 @@ void decode_nvfp4_cuda(const Nvfp4Spec& spec, const std::uint8_t* packed, const 
   check_nvfp4_spec(spec);
   check_wide(spec.cols, 16, out);
   const std::size_t n = spec.rows * spec.cols;
-  Nvfp4Args a{packed, scales, pts, out, n, n / kPerThread, reinterpret_cast<std::uintptr_t>(packed) % 4 == 0};
+  Nvfp4Args a{packed, scales, pts, out, n, n / kPerThread, reinterpret_cast<std::uintptr_t>(packed) % 4 == 0,
+                 spec.plus_zero};
   launch<Nvfp4Kernel>(a, spec.out, static_cast<cudaStream_t>(stream));
   LS_CUDA_CHECK_MSG(cudaGetLastError(), "nvfp4 decode kernel launch failed");
 }

@@ -275,11 +275,13 @@ std::string decode_codebook_into(const OstrisFast& f, const std::vector<at::Tens
 }
 
 std::string decode_nvfp4_into(const OstrisFast& f, const std::vector<at::Tensor>& staged, at::Tensor& w, RealType out,
-                              [[maybe_unused]] bool on_cuda) {
+                              bool on_cuda) {
   const at::Tensor& packed = staged[static_cast<std::size_t>(f.packed)];
   const at::Tensor& scales = staged[static_cast<std::size_t>(f.scale)];
   const at::Tensor& pts = staged[static_cast<std::size_t>(f.pts)];
-  const Nvfp4Spec spec{static_cast<std::size_t>(w.size(0)), static_cast<std::size_t>(w.size(1)), out};
+  // (The backend takes its Triton kernel on a GPU, its torch path on the host, until a proof says otherwise.)
+  const Nvfp4Spec spec{static_cast<std::size_t>(w.size(0)), static_cast<std::size_t>(w.size(1)), out,
+                       f.plus_zero.value_or(on_cuda)};
   if (spec.cols % 16 != 0 || static_cast<std::size_t>(packed.numel()) != spec.rows * spec.cols / 2 ||
       scales.scalar_type() != at::kByte || static_cast<std::size_t>(scales.numel()) != spec.rows * spec.cols / 16 ||
       pts.nbytes() != 4 || !pts.is_contiguous() || reinterpret_cast<std::uintptr_t>(pts.data_ptr()) % 4 != 0) {
@@ -310,7 +312,11 @@ std::string differs_from_backend(const py::object& module, const OstrisFast& f, 
       case OstrisFast::Format::kNvfp4: want = q.attr("_dequantize_weight")(module, dtype); break;
       default: want = q.attr("_dequantize_rotated")(module, dtype); break;  // codebook, convrot4
     }
-    if (!at::equal(w, want.cast<at::Tensor>())) return "its weight decoded by layerstream differed from its own dequantization";
+    const at::Tensor theirs = want.cast<at::Tensor>();
+    if (!same_bits(w, theirs)) {
+      return at::equal(w, theirs) ? "its weight decoded by layerstream differed from its own dequantization in the sign of zeros"
+                                  : "its weight decoded by layerstream differed from its own dequantization";
+    }
   } catch (py::error_already_set& e) {
     return std::string("its own dequantization could not be called to check layerstream's: ") + e.what();
   }
@@ -356,7 +362,18 @@ std::optional<py::object> ostris_fast_forward(const py::object& module, OstrisFa
   const c10::ScalarType dtype = xt.scalar_type();
   if (why.empty() && std::find(fast.proven.begin(), fast.proven.end(), dtype) == fast.proven.end()) {
     why = differs_from_backend(module, fast, w, x);
-    if (why.empty()) fast.proven.push_back(dtype);
+    const bool nvfp4 = fast.format == OstrisFast::Format::kNvfp4 || convrot;
+    if (!why.empty() && nvfp4 && fast.proven.empty() && !fast.plus_zero) {
+      // The first proof of an nvfp4 layer: where the guess of the backend's path was wrong, the other sign of
+      // code 8's zero, decoded again and proved again.
+      fast.plus_zero = !decoded_on_cuda;
+      why = decode_nvfp4_into(fast, staged, w, *out_type, decoded_on_cuda);
+      if (why.empty()) why = differs_from_backend(module, fast, w, x);
+    }
+    if (why.empty()) {
+      if (nvfp4) fast.plus_zero = fast.plus_zero.value_or(decoded_on_cuda);
+      fast.proven.push_back(dtype);
+    }
   }
   if (!why.empty()) {
     fast.refused = true;
@@ -387,11 +404,12 @@ std::optional<py::object> ostris_fast_forward(const py::object& module, OstrisFa
 }
 
 at::Tensor nvfp4_decode(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& pts, std::int64_t rows,
-                        std::int64_t cols, c10::ScalarType out) {
+                        std::int64_t cols, c10::ScalarType out, bool plus_zero) {
   const auto type = real_type_of(out);
   LS_CHECK_ARG(type && rows > 0 && cols > 0, "nvfp4_decode: a float32, float16 or bfloat16 output of rows x cols");
   OstrisFast f;
   f.packed = 0, f.scale = 1, f.pts = 2;
+  f.plus_zero = plus_zero;
   at::Tensor w = at::empty({rows, cols}, packed.options().dtype(out));
   const std::string why = decode_nvfp4_into(f, {packed.contiguous(), scales.contiguous(), pts.contiguous()}, w, *type,
                                             packed.is_cuda());

@@ -56,7 +56,10 @@ struct OstrisFast {
   py::object rotate;     // codebook formats: the backend module's rpbh_forward(x, perm, signs, block)
   py::object vq_tables;  // orbit-VQ: the backend module's get_vq_tables(lattice, size, device)
   py::object lattice;
-  std::vector<c10::ScalarType> proven;  // input types whose decode equals the backend's own
+  // nvfp4 and convrot4: whether code 8 decodes as +0 (the backend's Triton kernel) or -0 (its torch path);
+  // first guessed from the device, settled by the first proof (ostris_decode.h, Nvfp4Spec).
+  std::optional<bool> plus_zero;
+  std::vector<c10::ScalarType> proven;  // input types whose decode equals the backend's own, bit for bit
   std::vector<c10::ScalarType> proven_activation;  // convrot4: input types whose activation equals its own
   bool refused = false;                 // a proof failed: this layer runs its own forward from now on
 };
@@ -78,7 +81,7 @@ std::optional<py::object> ostris_fast_forward(const py::object& module, OstrisFa
 // that device; and an nvfp4 weight ([rows, cols] of `out`).
 std::pair<at::Tensor, at::Tensor> nvfp4_fake_quantize(const at::Tensor& x);
 at::Tensor nvfp4_decode(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& pts, std::int64_t rows,
-                        std::int64_t cols, c10::ScalarType out);
+                        std::int64_t cols, c10::ScalarType out, bool plus_zero);
 // A convrot int weight ([rows, cols] of `out`): `codes` "int8", "bitfield" (`bits` 2..8) or "ternary"; float32
 // row scales and optional float32 group ratios (their count per row gives the group), any dtype of those bytes.
 at::Tensor int_rows_decode(const at::Tensor& packed, const std::optional<at::Tensor>& ratio, const at::Tensor& scales,

@@ -89,13 +89,13 @@ void bind_codecs(py::module_& t) {
   t.def(
       "nvfp4_decode",
       [](const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& pts, std::int64_t rows,
-         std::int64_t cols, const std::string& out) {
-        return nvfp4_decode(packed, scales, pts, rows, cols, float_dtype_of(out));
+         std::int64_t cols, const std::string& out, bool plus_zero) {
+        return nvfp4_decode(packed, scales, pts, rows, cols, float_dtype_of(out), plus_zero);
       },
       py::arg("packed"), py::arg("scales"), py::arg("pts"), py::arg("rows"), py::arg("cols"),
-      py::arg("out") = "bfloat16",
+      py::arg("out") = "bfloat16", py::arg("plus_zero") = false,
       "An nvfp4 weight decoded on the tensors' device: uint8 codes [rows, cols/2], e4m3 scale bytes [rows, "
-      "cols/16], the float32 tensor scale as 4 bytes.");
+      "cols/16], the float32 tensor scale as 4 bytes; code 8 as +0 with plus_zero (else -0).");
   t.def(
       "int_rows_decode",
       [](const at::Tensor& packed, const std::optional<at::Tensor>& ratio, const at::Tensor& scales, std::int64_t rows,

@@ -42,9 +42,12 @@ def reference_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pts, x_dq - x
 
 
-def reference_weight(packed, scales, pts, rows, cols, dtype):
+def reference_weight(packed, scales, pts, rows, cols, dtype, plus_zero=False):
+    """The header's formula; code 8 is -0 (AI-Toolkit's torch path), or +0 with plus_zero (its Triton kernel)."""
     codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(rows, cols).long()
     v = torch.tensor(E2M1, device=packed.device)[codes & 7] * torch.where((codes & 8) > 0, -1.0, 1.0)
+    if plus_zero:
+        v = torch.where(codes == 8, torch.zeros_like(v), v)
     sp = scales.view(torch.float8_e4m3fn).float() * pts.view(torch.float32)
     return (v.view(rows, cols // 16, 16) * sp.unsqueeze(-1)).view(rows, cols).to(dtype)
 
@@ -95,7 +98,8 @@ def test_activation_is_the_formulas_bit_for_bit(device, dtype, case):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
-def test_weight_is_the_formulas_bit_for_bit(device, dtype):
+@pytest.mark.parametrize("plus_zero", [False, True], ids=["minus-zero", "plus-zero"])
+def test_weight_is_the_formulas_bit_for_bit(device, dtype, plus_zero):
     g = torch.Generator().manual_seed(11)
     rows, cols = 40, 96
     packed = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8)
@@ -104,9 +108,13 @@ def test_weight_is_the_formulas_bit_for_bit(device, dtype):
     pts = torch.tensor([0.00123], dtype=torch.float32).view(torch.uint8)
     packed, scales, pts = packed.to(device), scales.to(device), pts.to(device)
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
-    w = mm._testing.nvfp4_decode(packed, scales, pts, rows, cols, name)
+    packed[1, :4] = torch.tensor([0x08, 0x80, 0x88, 0x98], dtype=torch.uint8)  # code 8 (a signed zero) in both nibbles
+    w = mm._testing.nvfp4_decode(packed, scales, pts, rows, cols, name, plus_zero=plus_zero)
     assert w.device == packed.device
-    assert same_bits(w, reference_weight(packed, scales, pts, rows, cols, dtype))
+    want = reference_weight(packed, scales, pts, rows, cols, dtype, plus_zero)
+    assert same_bits(w, want)
+    assert torch.signbit(w[1, :7]).tolist() == [not plus_zero, False, False, not plus_zero, not plus_zero,
+                                                not plus_zero, not plus_zero]
 
 
 def test_bad_shapes_are_refused():

@@ -395,3 +395,63 @@ def test_int_matmul_backends_train_with_layerstreams_backward(engine, device, ai
     calls = 2 * {"none": 3, "non-reentrant": 6, "reentrant": 1 + 3}[checkpointing]
     assert mm.stats()["ostris_decoded"] - before["ostris_decoded"] == calls
     assert mm.stats()["ostris_kept_bytes"] - before["ostris_kept_bytes"] == 2 * sum(codes)
+
+
+def nvfp4_codes(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], dim=-1).view(rows, cols)
+
+
+@pytest.mark.parametrize("aitk_dir", DIRS)
+def test_nvfp4_decode_is_aitks_own_bit_for_bit_zero_signs_included(device, aitk_dir):
+    """The nvfp4 decoder against AI-Toolkit's dequantize_nvfp4 on every code and scale byte: its Triton kernel
+    (CUDA) gives code 8, a zero with the sign bit, as +0 and its torch path (host) as -0; the decoder gives
+    either, bit for bit."""
+    toolkit = OstrisToolkit(aitk_dir)
+    dequantize = toolkit.modules["toolkit.util.convrot_quant"].dequantize_nvfp4
+    g = torch.Generator().manual_seed(3)
+    rows, cols = 64, 512
+    packed = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8).to(device)
+    scales = torch.randint(0, 0x7f, (rows, cols // 16), generator=g, dtype=torch.uint8).to(device)
+    pts = torch.tensor([2.5e-3], dtype=torch.float32).to(device)
+    triton_path = torch.device(device).type == "cuda"
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16"), (torch.float32, "float32")):
+        theirs = dequantize(packed, scales.view(torch.float8_e4m3fn), pts, rows, cols, dtype)
+        mine = mm._testing.nvfp4_decode(packed, scales, pts.view(torch.uint8), rows, cols, name,
+                                        plus_zero=triton_path)
+        assert torch.equal(torch.signbit(theirs[nvfp4_codes(packed, rows, cols) == 8]),
+                           torch.full_like(theirs[nvfp4_codes(packed, rows, cols) == 8], not triton_path,
+                                           dtype=torch.bool)), "AI-Toolkit's zero sign is not the one assumed"
+        assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("aitk_dir", DIRS)
+def test_an_nvfp4_backend_of_the_other_zero_sign_is_proved_and_decoded(engine, device, aitk_dir, monkeypatch):
+    """Where AI-Toolkit's nvfp4 dequantization gives code 8 the other zero sign than the one guessed for the
+    device (a Triton kernel on the host, the torch path on a GPU), the first call's bitwise proof fails, the
+    decoder takes the other sign, proves again and decodes every call; outputs and LoRA training stay stock's."""
+    skip_unless_streamed(engine)
+    toolkit = OstrisToolkit(aitk_dir)
+    module = toolkit.modules["toolkit.util.nvfp4_quant"]
+    own = module.dequantize_nvfp4
+    sign = -1.0 if torch.device(device).type == "cuda" else 1.0  # the sign the device's guess does not give
+
+    def other_sign(packed, scales, pts, rows, cols, dtype):
+        w = own(packed, scales, pts, rows, cols, dtype)
+        scale = (scales.float() * pts).repeat_interleave(16, dim=1)
+        return torch.where(nvfp4_codes(packed, rows, cols) == 8, (sign * 0.0 * scale).to(dtype), w)
+
+    monkeypatch.setattr(module, "dequantize_nvfp4", other_sign)
+    stock, managed = quantized_stack(toolkit, "nvfp4"), quantized_stack(toolkit, "nvfp4")
+    assert any((nvfp4_codes(lin.nv4_qdata, 256, 256) == 8).any() for lin in managed.linears()), "no code 8 to see"
+    stock_package = attached(aitk_dir, "stock", stock, device)
+    package = attached(aitk_dir, "layerstream", managed, device)
+    x = torch.randn(2, 6, 256, dtype=DTYPE, generator=torch.Generator().manual_seed(9)).to(device)
+    decoded = mm.stats()["ostris_decoded"]
+    with torch.no_grad():
+        assert torch.equal(managed(x), stock(x))
+    assert mm.stats()["ostris_decoded"] - decoded == 3
+    want = train_lora(stock, [lo.to(device) for lo in apply_lora(stock, dtype=DTYPE)], device, 2,
+                      getattr(stock_package, "sync_grad_transfers", lambda: None), dtype=DTYPE)
+    got = train_lora(managed, [lo.to(device) for lo in apply_lora(managed, dtype=DTYPE)], device, 2,
+                     package.sync_grad_transfers, dtype=DTYPE)
+    assert got == want
