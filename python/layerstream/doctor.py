@@ -32,6 +32,24 @@ def _check_extension() -> Line:
     return Line("OK", "manager_modules", f"built for torch {manager_modules.__torch_version__} (the running one)")
 
 
+def _cuda_backend_line(torch, aitk: bool) -> Line:
+    """Whether this build of layerstream can stream to a GPU: a CUDA torch with a build without the CUDA
+    backend (LAYERSTREAM_CUDA=OFF) refuses every layer attached to a GPU."""
+    from layerstream import _native
+
+    if _native.cuda_compiled():
+        count = _native.cuda_device_count()
+        detail = f"compiled; {count} device(s) visible" if count else \
+            f"compiled; no device usable ({_native.cuda_unavailable_reason()})"
+        return Line("OK", "CUDA backend", detail)
+    if torch.version.cuda:
+        return Line("FAIL" if aitk else "WARN", "CUDA backend",
+                    f"not compiled, but torch has CUDA {torch.version.cuda}: layers attached to a GPU are refused. "
+                    "Install the prebuilt wheel for this torch, or rebuild with the CUDA toolkit (nvcc) on PATH "
+                    "(docs/install.md)")
+    return Line("OK", "CUDA backend", "not compiled (a CPU-only torch: the CPU and simulator paths run)")
+
+
 def _memlock() -> Line:
     try:
         import resource  # POSIX only
@@ -193,6 +211,7 @@ def run(aitk: bool = False, weights_gb: float | None = None, host_dtype: str | N
     if torch is not None:
         lines.append(_torch_line(torch, aitk))
         lines.append(_check_extension())
+        lines.append(_cuda_backend_line(torch, aitk))
         lines.extend(_gpu_lines(torch, aitk))
     lines.append(_host_ram_line(weights_gb, host_dtype or chosen_host_dtype()))
     windows = _windows_line()
