@@ -30,7 +30,7 @@
 #include "ostris_layer.h"
 #include "packed_weight_glue.h"
 #include "py_torch.h"
-#include "settings.h"
+#include "layerstream/settings.h"
 #include "streamed_layer.h"
 #include "telemetry.h"
 

@@ -8,7 +8,7 @@
 
 #include "bindings.h"
 #include "layerstream/check.h"
-#include "settings.h"
+#include "layerstream/settings.h"
 #include "streamed_layer.h"
 
 namespace py = pybind11;

@@ -1,4 +1,4 @@
-#include "settings.h"
+#include "layerstream/settings.h"
 
 #include <algorithm>
 #include <cctype>
