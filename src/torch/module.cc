@@ -14,6 +14,7 @@
 // stream how), forward_paths and ostris_layer (what a call does, per LayerManager::path), telemetry
 // (stats() and the log), share_handshake (HostShare's resolver), settings_binding and testing_hooks (the
 // `_testing` submodule).
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <string>
@@ -169,6 +170,9 @@ PYBIND11_MODULE(manager_modules, m) {
       PyErr_SetString(oom.ptr(), e.what());
     } catch (const Error& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
+    } catch (const c10::Error&) {
+      // torch's own refusal (a layer call torch would refuse, run uncast): the type and message torch gives it.
+      torch::translate_exception_to_python(p);
     }
   });
 
