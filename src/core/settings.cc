@@ -4,7 +4,6 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
-#include <functional>
 #include <limits>
 #include <mutex>
 #include <set>
@@ -14,14 +13,14 @@
 
 extern char** environ;  // POSIX: the process's environment, scanned for unknown LAYERSTREAM_* names
 
-namespace layerstream::torchglue {
+namespace layerstream {
 
 namespace {
 
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 constexpr std::uint64_t kMostMiB = std::uint64_t{1} << 30;  // 1 PiB: more than any host or device holds
-constexpr const char* kMiBRange = "MiB up to 1073741824 (1 PiB)";
 constexpr double kMostTimeoutS = 365.0 * 24 * 3600;
+constexpr std::uint64_t kMostCount = std::numeric_limits<std::uint64_t>::max();
 
 // Digits only (no sign, space or exponent), within 64 bits; nullopt otherwise.
 std::optional<std::uint64_t> digits(const std::string& text) {
@@ -36,19 +35,14 @@ std::optional<std::uint64_t> digits(const std::string& text) {
   return n;
 }
 
-// A whole number from `least` to `most`; `what` says what it counts for the message ("positive whole
-// number of layers").
-std::uint64_t whole(const std::string& name, const std::string& text, std::uint64_t least, std::uint64_t most,
-                    const std::string& what, const char* example) {
+std::optional<std::uint64_t> whole(const std::string& text, std::uint64_t least, std::uint64_t most) {
   const std::optional<std::uint64_t> n = digits(text);
-  LS_CHECK_ARG(n && *n >= least && *n <= most, name, "=", text, " is not a ", what, "; unset it or give e.g. ", name,
-               "=", example);
-  return *n;
+  return n && *n >= least && *n <= most ? n : std::nullopt;
 }
 
-std::size_t mib(const std::string& name, const std::string& text, bool allow_zero, const char* example) {
-  const std::string what = std::string(allow_zero ? "" : "positive ") + "whole number of " + kMiBRange;
-  return static_cast<std::size_t>(whole(name, text, allow_zero ? 0 : 1, kMostMiB, what, example)) * kMiB;
+std::optional<std::size_t> mib(const std::string& text, std::uint64_t least) {
+  const std::optional<std::uint64_t> n = whole(text, least, kMostMiB);
+  return n ? std::optional<std::size_t>(static_cast<std::size_t>(*n) * kMiB) : std::nullopt;
 }
 
 // A plain decimal number (digits, one point, an exponent; no sign, hex, inf or nan) that is finite;
@@ -63,143 +57,194 @@ std::optional<double> decimal(const std::string& text, std::string& rest) {
   return v;
 }
 
-bool switch_value(const std::string& name, const std::string& text, const char* example) {
-  std::string v = text;
-  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
-  if (v == "1" || v == "true" || v == "on" || v == "yes") return true;
-  if (v == "0" || v == "false" || v == "off" || v == "no") return false;
-  LS_CHECK_ARG(false, name, "=", text, " is not a switch: give 1, true, on or yes, or 0, false, off or no; unset it "
-               "or give e.g. ", name, "=", example);
-  return false;
+std::string lower(std::string text) {
+  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
+  return text;
 }
 
-using Parser = std::function<void(Settings&, const std::string& name, const std::string& text)>;
+std::optional<bool> switch_of(const std::string& text) {
+  const std::string v = lower(text);
+  if (v == "1" || v == "true" || v == "on" || v == "yes") return true;
+  if (v == "0" || v == "false" || v == "off" || v == "no") return false;
+  return std::nullopt;
+}
+
+// A parser stores an accepted value and returns true, or returns false and changes nothing.
+using Parser = bool (*)(Settings&, const std::string& text);
 
 struct Entry {
-  const char* name;
+  SettingSpec spec;
   Parser parse;
 };
 
-// The parsers too long for a line of the table.
-void parse_ring_policy(Settings& s, const std::string& n, const std::string& t) {
-  LS_CHECK_ARG(t == "fifo" || t == "lru", n, "=", t,
-               " is not understood; give fifo (the default: a region goes at the ring's head) or lru (over "
-               "the memory used longest ago)");
-  s.ring_policy = t == "lru" ? RingPolicy::kLeastRecentlyUsed : RingPolicy::kFifo;
+template <typename T>
+bool store(T& field, const std::optional<T>& value) {
+  if (value) field = *value;
+  return value.has_value();
+}
+template <typename T>
+bool store(std::optional<T>& field, const std::optional<T>& value) {
+  if (value) field = value;
+  return value.has_value();
 }
 
-void parse_vram_peak(Settings& s, const std::string& n, const std::string& t) {
-  LS_CHECK_ARG(t == "window" || t == "cycles", n, "=", t,
-               " is not understood; give cycles (the default: each training cycle's step and gap measured apart) "
-               "or window (the first steps' window, as before 2026-12-01)");
-  s.vram_peak = t == "cycles" ? VramPeak::kCycles : VramPeak::kWindow;
-}
+constexpr const char* kSwitch = "1, true, on or yes, or 0, false, off or no";
+constexpr const char* kMiBRange = "a positive whole number of MiB up to 1073741824 (1 PiB)";
+constexpr const char* kMiBRangeOrZero = "a whole number of MiB up to 1073741824 (1 PiB)";
+constexpr auto kUser = SettingAudience::kUser;
+constexpr auto kTuning = SettingAudience::kTuning;
+constexpr auto kTests = SettingAudience::kTests;
 
-void parse_vram_gap(Settings& s, const std::string& n, const std::string& t) {
-  LS_CHECK_ARG(t == "peak" || t == "start" || t == "lend", n, "=", t,
-               " is not understood; give peak (the default: the budget leaves a quarter of the device free on top "
-               "of the peak between steps), start (a quarter above the training cycle's start, the headroom "
-               "at the peak between steps; less room promised between steps) or lend (the quarter holds "
-               "resident layers that are given back first when an allocation between steps needs it, and "
-               "copied again in the next step)");
-  s.vram_gap = t == "start" ? VramGap::kQuarterAboveStart : t == "lend" ? VramGap::kLend : VramGap::kQuarterAtPeak;
-}
-
-void parse_host_dtype(Settings& s, const std::string& n, const std::string& t) {
-  if (t == "same") s.host_dtype = HostDtype::kSame;
-  else if (t == "lossless") s.host_dtype = HostDtype::kLossless;
-  else if (t == "float8_e4m3fn") s.host_dtype = HostDtype::kFloat8E4M3;
-  else if (t == "float8_e5m2") s.host_dtype = HostDtype::kFloat8E5M2;
-  else
-    LS_CHECK_ARG(false, n, "=", t,
-                 " is not a setting layerstream knows: use lossless (frozen bfloat16 weights kept and streamed "
-                 "exactly, in about three quarters of their bytes), float8_e4m3fn or float8_e5m2 (frozen "
-                 "weights kept and streamed as 8-bit codes with a scale per output channel), or unset it (or "
-                 "'same') to stream weights as they are");
-}
-
-void parse_share_host(Settings& s, const std::string& n, const std::string& t) {
-  if (t == "auto") s.share_host = ShareHost::kAuto;
-  else if (t == "1" || t == "on") s.share_host = ShareHost::kOn;
-  else if (t == "0" || t == "off") s.share_host = ShareHost::kOff;
-  else LS_CHECK_ARG(false, n, "=", t, " is not a setting layerstream knows: auto (the default), 1 or 0");
-}
-
-void parse_share_timeout(Settings& s, const std::string& n, const std::string& t) {
-  std::string rest;
-  const std::optional<double> v = decimal(t, rest);
-  LS_CHECK_ARG(v && rest.empty() && *v > 0 && *v <= kMostTimeoutS, n, "=", t,
-               " is not a positive number of seconds up to 31536000 (a year); unset it or give e.g. ", n,
-               "=600");
-  s.share_timeout_s = *v;
-}
-
-void parse_share_token(Settings& s, const std::string& n, const std::string& t) {
-  for (char c : t) {
-    LS_CHECK_ARG(std::isalnum(static_cast<unsigned char>(c)) || c == '_', n,
-                 " must be letters, digits and underscores, not '", t, "'; e.g. ", n, "=job_42");
-  }
-  s.share_token = t;
-}
-
-// Every setting, in the order of the docs' table (docs/ai-toolkit.md, "Modes and settings").
+// Every setting, in the order of the docs' tables (docs/ai-toolkit.md, "Modes and settings").
 const std::vector<Entry>& entries() {
   static const std::vector<Entry> table = {
-      {"LAYERSTREAM_BACKEND",
-       [](Settings& s, const std::string& n, const std::string& t) {
-         LS_CHECK_ARG(t == "sim" || t == "cpu", n, "=", t, " is not understood; use 'sim' or 'cpu' (or unset it)");
+      {{"LAYERSTREAM", "switch", kUser, false, "1",
+        "1, on, true or yes (layerstream), or 0, off, false or no (AI-Toolkit's stock manager_modules.py)", "0",
+        "patch mode's hook: 0 runs AI-Toolkit's own code in the same checkout, for a comparison"},
+       [](Settings&, const std::string& t) { return switch_of(t).has_value(); }},
+      {{"LAYERSTREAM_VRAM_BUDGET", "size", kUser, true, "min",
+        "min (no layer kept: the least device memory), auto (what the device has free, given back when the "
+        "process needs it) or a size from 1 MiB to 1 PiB such as 24G, 24GB, 24GiB or '24 GiB' (case-insensitive, "
+        "binary: 24GB is 24x2^30 bytes) or a number of bytes",
+        "auto", "device memory that layers may stay in after the first training step; the rest stream"},
+       [](Settings& s, const std::string& t) { return store(s.vram_budget, VramBudget::parse(t)); }},
+      {{"LAYERSTREAM_HOST_DTYPE", "choice", kUser, true, "same",
+        "same (weights as they are), lossless (bfloat16 weights packed exactly, about 0.75x their bytes) or "
+        "float8_e4m3fn or float8_e5m2 (8-bit codes with a scale per output channel: half the bytes to copy, "
+        "not exact; host RAM 1.5x the bfloat16 weights)",
+        "lossless", "the form frozen weights are kept in on the host and copied to the device in"},
+       [](Settings& s, const std::string& t) {
+         const std::map<std::string, HostDtype> forms = {{"same", HostDtype::kSame},
+                                                         {"lossless", HostDtype::kLossless},
+                                                         {"float8_e4m3fn", HostDtype::kFloat8E4M3},
+                                                         {"float8_e5m2", HostDtype::kFloat8E5M2}};
+         const auto it = forms.find(t);
+         return it != forms.end() && store(s.host_dtype, std::optional<HostDtype>(it->second));
+       }},
+      {{"LAYERSTREAM_LOG", "choice", kUser, false, "info", "info, warning, debug or off", "warning",
+        "which of layerstream's log lines are printed (info: the active line, the VRAM plan, the periodic summary)"},
+       [](Settings&, const std::string& t) {
+         const std::string v = lower(t);
+         return v == "info" || v == "warning" || v == "debug" || v == "off";
+       }},
+      {{"LAYERSTREAM_RING_MB", "MiB", kTuning, true,
+        "on a GPU four of the largest layer, never more than the layers take (the CPU modes: 3x); with a VRAM "
+        "budget its plan's",
+        kMiBRange, "3072", "the device ring's size, fixed"},
+       [](Settings& s, const std::string& t) { return store(s.ring_bytes, mib(t, 1)); }},
+      {{"LAYERSTREAM_PREFETCH", "switch", kTuning, true, "1", kSwitch, "0",
+        "copies of the layers predicted next, ahead of need (see \"Prefetch\")"},
+       [](Settings& s, const std::string& t) { return store(s.prefetch, switch_of(t)); }},
+      {{"LAYERSTREAM_PREFETCH_LAYERS", "count", kTuning, true, "8", "a positive whole number of layers", "16",
+        "how many predicted layers a layer call may copy ahead, within a third of the ring's bytes"},
+       [](Settings& s, const std::string& t) {
+         const auto n = whole(t, 1, std::numeric_limits<std::size_t>::max());
+         return store(s.prefetch_layers, n ? std::optional<std::size_t>(static_cast<std::size_t>(*n)) : std::nullopt);
+       }},
+      {{"LAYERSTREAM_RING_POLICY", "choice", kTuning, true, "fifo",
+        "fifo (a copy goes at the ring's head) or lru (over the memory used longest ago; experimental)", "lru",
+        "where the ring places a copy (the VRAM budget's plan models fifo)"},
+       [](Settings& s, const std::string& t) {
+         if (t != "fifo" && t != "lru") return false;
+         s.ring_policy = t == "lru" ? RingPolicy::kLeastRecentlyUsed : RingPolicy::kFifo;
+         return true;
+       }},
+      {{"LAYERSTREAM_RESIDENT_MB", "MiB", kTuning, true, "0", kMiBRangeOrZero, "4096",
+        "MiB of layers kept on the device for good (first used, first kept)"},
+       [](Settings& s, const std::string& t) { return store(s.resident_bytes, mib(t, 0)); }},
+      {{"LAYERSTREAM_VRAM_PEAK", "choice", kTuning, true, "cycles",
+        "cycles (each training cycle's step and gap measured apart) or window (the first steps' window)", "window",
+        "how the VRAM budget measures a training step's peak (see \"VRAM budget\")"},
+       [](Settings& s, const std::string& t) {
+         if (t != "cycles" && t != "window") return false;
+         s.vram_peak = t == "cycles" ? VramPeak::kCycles : VramPeak::kWindow;
+         return true;
+       }},
+      {{"LAYERSTREAM_VRAM_GAP", "choice", kTuning, true, "peak",
+        "peak (a quarter of the device left free on top of the peak between steps), start (a quarter above the "
+        "training cycle's start; experimental) or lend (the quarter lent to resident layers that go back first; "
+        "experimental)",
+        "start", "where the VRAM budget keeps the room it promises between training steps (see \"VRAM budget\")"},
+       [](Settings& s, const std::string& t) {
+         if (t != "peak" && t != "start" && t != "lend") return false;
+         s.vram_gap = t == "start" ? VramGap::kQuarterAboveStart : t == "lend" ? VramGap::kLend : VramGap::kQuarterAtPeak;
+         return true;
+       }},
+      {{"LAYERSTREAM_OSTRIS_DECODE", "switch", kTuning, true, "1", kSwitch, "0",
+        "layerstream decodes AI-Toolkit's OstrisLinear weights itself, each proven bitwise on its first call "
+        "(0: every backend runs its own forward)"},
+       [](Settings& s, const std::string& t) { return store(s.ostris_decode, switch_of(t)); }},
+      {{"LAYERSTREAM_SHARE_HOST", "choice", kTuning, true, "auto", "auto, 1 or on, or 0 or off", "0",
+        "under torchrun or accelerate, the ranks of a host share one host copy of the frozen weights"},
+       [](Settings& s, const std::string& t) {
+         if (t == "auto") s.share_host = ShareHost::kAuto;
+         else if (t == "1" || t == "on") s.share_host = ShareHost::kOn;
+         else if (t == "0" || t == "off") s.share_host = ShareHost::kOff;
+         else return false;
+         return true;
+       }},
+      {{"LAYERSTREAM_SHARE_TIMEOUT_S", "seconds", kTuning, true, "600",
+        "a positive number of seconds up to 31536000 (a year)", "600",
+        "how long a rank waits for local rank 0's copy of a layer"},
+       [](Settings& s, const std::string& t) {
+         std::string rest;
+         const std::optional<double> v = decimal(t, rest);
+         if (!v || !rest.empty() || !(*v > 0) || *v > kMostTimeoutS) return false;
+         s.share_timeout_s = *v;
+         return true;
+       }},
+      {{"LAYERSTREAM_SHARE_TOKEN", "token", kTuning, true, "torchrun's job id", "letters, digits and underscores",
+        "job_42", "names the shared segments (the same in every rank of the job) where torchrun's environment does not"},
+       [](Settings& s, const std::string& t) {
+         for (char c : t) {
+           if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_') return false;
+         }
+         s.share_token = t;
+         return true;
+       }},
+      {{"LAYERSTREAM_CHUNK_MB", "MiB", kTuning, true, "256", kMiBRange, "256", "the largest pinned chunk"},
+       [](Settings& s, const std::string& t) { return store(s.chunk_bytes, mib(t, 1)); }},
+      {{"LAYERSTREAM_PINNED_CAP_MB", "MiB", kTuning, true, "no cap", kMiBRange, "65536",
+        "pin at most this much host memory; the rest is pageable and staged through bounce buffers"},
+       [](Settings& s, const std::string& t) { return store(s.pinned_cap_bytes, mib(t, 1)); }},
+      {{"LAYERSTREAM_TIME_WAITS", "switch", kTuning, true, "0", kSwitch, "1",
+        "time how long compute waits for copies (a few microseconds a layer call; `layerstream bench` turns it on)"},
+       [](Settings& s, const std::string& t) { return store(s.time_waits, switch_of(t)); }},
+      {{"LAYERSTREAM_LOG_EVERY", "count", kTuning, true, "100", "a whole number of optimizer steps (0: never)", "100",
+        "every N optimizer steps, an INFO line with what a step moved"},
+       [](Settings& s, const std::string& t) { return store(s.log_every, whole(t, 0, kMostCount)); }},
+      {{"LAYERSTREAM_DECODE_BLOCKS", "count", kTuning, true, "0",
+        "a whole number of thread blocks from 0 (no limit) to 65536", "64",
+        "lossless only: the most thread blocks of 256 a decode may use"},
+       [](Settings& s, const std::string& t) {
+         const auto n = whole(t, 0, kMostDecodeBlocks);
+         return store(s.decode_blocks, n ? std::optional<unsigned>(static_cast<unsigned>(*n)) : std::nullopt);
+       }},
+      {{"LAYERSTREAM_BACKEND", "choice", kTests, true, "cpu", "cpu or sim", "sim",
+        "how a CPU process device runs: computed on the CPU as upstream, or through the engine on the simulator"},
+       [](Settings& s, const std::string& t) {
+         if (t != "sim" && t != "cpu") return false;
          s.backend = t == "sim" ? CpuBackend::kSim : CpuBackend::kCpu;
+         return true;
        }},
-      {"LAYERSTREAM_RING_MB",
-       [](Settings& s, const std::string& n, const std::string& t) { s.ring_bytes = mib(n, t, false, "3072"); }},
-      {"LAYERSTREAM_PREFETCH",
-       [](Settings& s, const std::string& n, const std::string& t) { s.prefetch = switch_value(n, t, "0"); }},
-      {"LAYERSTREAM_RING_POLICY", &parse_ring_policy},
-      {"LAYERSTREAM_PREFETCH_LAYERS",
-       [](Settings& s, const std::string& n, const std::string& t) {
-         s.prefetch_layers = static_cast<std::size_t>(
-             whole(n, t, 1, std::numeric_limits<std::size_t>::max(), "positive whole number of layers", "16"));
-       }},
-      {"LAYERSTREAM_RESIDENT_MB",
-       [](Settings& s, const std::string& n, const std::string& t) { s.resident_bytes = mib(n, t, true, "4096"); }},
-      {"LAYERSTREAM_VRAM_BUDGET",
-       [](Settings& s, const std::string&, const std::string& t) { s.vram_budget = VramBudget::parse(t.c_str()); }},
-      {"LAYERSTREAM_VRAM_PEAK", &parse_vram_peak},
-      {"LAYERSTREAM_VRAM_GAP", &parse_vram_gap},
-      {"LAYERSTREAM_HOST_DTYPE", &parse_host_dtype},
-      {"LAYERSTREAM_OSTRIS_DECODE",
-       [](Settings& s, const std::string& n, const std::string& t) { s.ostris_decode = switch_value(n, t, "0"); }},
-      {"LAYERSTREAM_SHARE_HOST", &parse_share_host},
-      {"LAYERSTREAM_SHARE_TIMEOUT_S", &parse_share_timeout},
-      {"LAYERSTREAM_SHARE_TOKEN", &parse_share_token},
-      {"LAYERSTREAM_CHUNK_MB",
-       [](Settings& s, const std::string& n, const std::string& t) { s.chunk_bytes = mib(n, t, false, "256"); }},
-      {"LAYERSTREAM_PINNED_CAP_MB",
-       [](Settings& s, const std::string& n, const std::string& t) { s.pinned_cap_bytes = mib(n, t, false, "65536"); }},
-      {"LAYERSTREAM_TIME_WAITS",
-       [](Settings& s, const std::string& n, const std::string& t) { s.time_waits = switch_value(n, t, "1"); }},
-      {"LAYERSTREAM_LOG_EVERY",
-       [](Settings& s, const std::string& n, const std::string& t) {
-         s.log_every = whole(n, t, 0, std::numeric_limits<std::uint64_t>::max(),
-                             "whole number of optimizer steps (0: never)", "100");
-       }},
-      {"LAYERSTREAM_DECODE_BLOCKS",
-       [](Settings& s, const std::string& n, const std::string& t) {
-         s.decode_blocks = static_cast<unsigned>(
-             whole(n, t, 0, kMostDecodeBlocks,
-                   detail::concat("whole number of thread blocks from 0 (no limit) to ", kMostDecodeBlocks), "64"));
-       }},
-      {"LAYERSTREAM_SIM_FAULTS",
-       [](Settings& s, const std::string& n, const std::string& t) {
-         s.sim_faults = whole(n, t, 0, std::numeric_limits<std::uint64_t>::max(),
-                              "whole number (the seed of the simulator's fault injector)", "1234");
-       }},
-      {"LAYERSTREAM_SIM_DEVICE_MB",
-       [](Settings& s, const std::string& n, const std::string& t) { s.sim_device_bytes = mib(n, t, false, "2048"); }},
-      {"LAYERSTREAM_SIM_PINNABLE_MB",
-       [](Settings& s, const std::string& n, const std::string& t) { s.sim_pinnable_bytes = mib(n, t, true, "1"); }},
+      {{"LAYERSTREAM_SIM_FAULTS", "count", kTests, true, "no faults",
+        "a whole number (the seed of the simulator's fault injector)", "1234",
+        "fault injection (delays, scrambled copies) on the simulator"},
+       [](Settings& s, const std::string& t) { return store(s.sim_faults, whole(t, 0, kMostCount)); }},
+      {{"LAYERSTREAM_SIM_DEVICE_MB", "MiB", kTests, true, "65536", kMiBRange, "2048", "the simulated device's memory"},
+       [](Settings& s, const std::string& t) { return store(s.sim_device_bytes, mib(t, 1)); }},
+      {{"LAYERSTREAM_SIM_PINNABLE_MB", "MiB", kTests, true, "no limit", kMiBRangeOrZero, "1",
+        "the most host memory the simulator lets the process pin (a small `ulimit -l`; 0: none)"},
+       [](Settings& s, const std::string& t) { return store(s.sim_pinnable_bytes, mib(t, 0)); }},
   };
   return table;
+}
+
+const Entry* entry_of(const std::string& name) {
+  for (const Entry& e : entries()) {
+    if (name == e.spec.name) return &e;
+  }
+  return nullptr;
 }
 
 // LAYERSTREAM_* names that layerstream's build, tests and GPU scripts read (not this module): set in a
@@ -216,8 +261,6 @@ const std::set<std::string>& tool_names() {
       "LAYERSTREAM_TEST_CURRENT_QUANT", "LAYERSTREAM_OSTRIS_QTYPES", "LAYERSTREAM_OSTRIS_CAP_GB", "LAYERSTREAM_OSTRIS_DETERMINISTIC", "LAYERSTREAM_PY_K",
       "LAYERSTREAM_PY_TB", "LAYERSTREAM_AITKMM_CONFIGS", "LAYERSTREAM_AITKMM_PAIRS", "LAYERSTREAM_AITKMM_REPEAT",
       "LAYERSTREAM_MODEL_RUNS", "LAYERSTREAM_MODEL_STEPS", "LAYERSTREAM_MEM_STEPS", "LAYERSTREAM_AITKMM_ENGINES",
-      // Read by the Python package (python/layerstream/_logging.py), not by this module.
-      "LAYERSTREAM_LOG",
   };
   return names;
 }
@@ -286,7 +329,11 @@ Settings::Text text_with(const Settings::Text& over) {
 }
 
 std::shared_ptr<const Settings> read_locked(const Settings::Text& over) {
-  auto s = std::make_shared<Settings>(Settings::parse(text_with(over)));
+  Settings::Text origins;
+  for (const std::string& name : Settings::names()) {
+    if (over.count(name) == 0) origins[name] = "the environment";
+  }
+  auto s = std::make_shared<Settings>(Settings::parse(text_with(over), origins));
   s->local_rank = env("LOCAL_RANK");
   s->local_world_size = env("LOCAL_WORLD_SIZE");
   s->torchelastic_run_id = env("TORCHELASTIC_RUN_ID");
@@ -294,13 +341,23 @@ std::shared_ptr<const Settings> read_locked(const Settings::Text& over) {
   return s;
 }
 
+// A size's unit, case-insensitive, as a power of 1024 (k, m, g, t with or without b or ib), or nullopt.
+std::optional<double> binary_unit(const std::string& text) {
+  std::string unit = lower(text);
+  if (unit.empty() || unit == "b") return 1.0;
+  if (unit.size() >= 2 && unit.compare(unit.size() - 2, 2, "ib") == 0) unit.resize(unit.size() - 2);
+  else if (unit.size() >= 2 && unit.back() == 'b') unit.pop_back();
+  const std::string prefixes = "kmgt";
+  if (unit.size() != 1 || prefixes.find(unit[0]) == std::string::npos) return std::nullopt;
+  return std::pow(1024.0, static_cast<double>(prefixes.find(unit[0]) + 1));
+}
+
 }  // namespace
 
-VramBudget VramBudget::parse(const char* text) {
+std::optional<VramBudget> VramBudget::parse(const std::string& text) {
   VramBudget b;
-  if (text == nullptr || *text == '\0') return b;
-  const std::string v(text);
-  if (v == "min") return b;  // the default, said explicitly
+  const std::string v = lower(text);
+  if (v.empty() || v == "min") return b;  // the default, said explicitly
   b.enabled = true;
   if (v == "auto") {
     b.automatic = true;
@@ -308,30 +365,42 @@ VramBudget VramBudget::parse(const char* text) {
   }
   std::string unit;
   const std::optional<double> number = decimal(v, unit);
-  double scale = 0;
-  if (unit.empty() || unit == "B") scale = 1;
-  else if (unit == "KiB") scale = 1024.0;
-  else if (unit == "MiB") scale = 1024.0 * 1024;
-  else if (unit == "GiB") scale = 1024.0 * 1024 * 1024;
-  else if (unit == "KB") scale = 1e3;
-  else if (unit == "MB") scale = 1e6;
-  else if (unit == "GB") scale = 1e9;
-  const double bytes = number ? *number * scale : 0;
-  LS_CHECK_ARG(number && scale > 0 && bytes >= static_cast<double>(kMiB) &&
-                   bytes <= static_cast<double>(kMostMiB) * static_cast<double>(kMiB),
-               "LAYERSTREAM_VRAM_BUDGET=", v,
-               " is not understood; give 'min' (the default: the least device memory, no layer kept), 'auto' (free "
-               "device memory minus a headroom, given back when the process needs it) or a size from 1MiB to 1PiB "
-               "such as 24GiB, 24GB, 20000MiB or a number of bytes");
+  const std::size_t start = unit.find_first_not_of(' ');  // "24 GiB": spaces before the unit, not after a number
+  if (!number || (!unit.empty() && start == std::string::npos)) return std::nullopt;
+  const std::optional<double> scale = binary_unit(unit.substr(start == std::string::npos ? 0 : start));
+  if (!scale) return std::nullopt;
+  const double bytes = *number * *scale;
+  if (bytes < static_cast<double>(kMiB) || bytes > static_cast<double>(kMostMiB) * static_cast<double>(kMiB)) {
+    return std::nullopt;
+  }
   b.bytes = static_cast<std::size_t>(bytes);
   return b;
 }
 
-Settings Settings::parse(const Text& text) {
+std::optional<std::string> Settings::refusal(const std::string& name, const std::string& text,
+                                             const std::string& origin) {
+  const std::string where = origin.empty() ? std::string() : " (" + origin + ")";
+  const Entry* e = entry_of(name);
+  if (e == nullptr) {
+    if (tool_names().count(name) != 0) return std::nullopt;  // read by layerstream's own tools: no mistake
+    const std::string near = nearest(name);
+    return detail::concat(name, "=", text, where, " is not a layerstream setting",
+                          near.empty() ? std::string() : "; did you mean " + near + "?",
+                          " (the settings: docs/ai-toolkit.md, \"Modes and settings\")");
+  }
+  Settings scratch;
+  if (text.empty() || e->parse(scratch, text)) return std::nullopt;
+  return detail::concat(name, "=", text, where, " is not accepted; it takes ", e->spec.accepts, ", e.g. ", name, "=",
+                        e->spec.example, " (unset: ", e->spec.default_value, ")");
+}
+
+Settings Settings::parse(const Text& text, const Text& origins) {
   Settings s;
   for (const Entry& e : entries()) {
-    auto it = text.find(e.name);
-    if (it != text.end() && !it->second.empty()) e.parse(s, e.name, it->second);
+    auto it = text.find(e.spec.name);
+    if (it == text.end() || it->second.empty() || e.parse(s, it->second)) continue;
+    auto origin = origins.find(e.spec.name);
+    throw InvalidArgument(*refusal(e.spec.name, it->second, origin == origins.end() ? "" : origin->second));
   }
   return s;
 }
@@ -352,8 +421,8 @@ void Settings::configure(const std::map<std::string, std::optional<std::string>>
   std::lock_guard<std::mutex> lock(mu());
   Text over = overrides();
   for (const auto& [name, value] : values) {
-    const std::vector<std::string>& known = names();
-    LS_CHECK_ARG(std::find(known.begin(), known.end(), name) != known.end(), name, " is not a layerstream setting");
+    const Entry* e = entry_of(name);
+    LS_CHECK_ARG(e != nullptr && e->spec.native, name, " is not a setting of manager_modules");
     if (value) over[name] = *value;
     else over.erase(name);
   }
@@ -361,10 +430,19 @@ void Settings::configure(const std::map<std::string, std::optional<std::string>>
   overrides() = std::move(over);
 }
 
+const std::vector<SettingSpec>& Settings::table() {
+  static const std::vector<SettingSpec> specs = [] {
+    std::vector<SettingSpec> out;
+    for (const Entry& e : entries()) out.push_back(e.spec);
+    return out;
+  }();
+  return specs;
+}
+
 const std::vector<std::string>& Settings::names() {
   static const std::vector<std::string> all = [] {
     std::vector<std::string> out;
-    for (const Entry& e : entries()) out.emplace_back(e.name);
+    for (const Entry& e : entries()) out.emplace_back(e.spec.name);
     return out;
   }();
   return all;
@@ -383,4 +461,4 @@ std::string Settings::nearest(const std::string& name) {
   return best;
 }
 
-}  // namespace layerstream::torchglue
+}  // namespace layerstream
