@@ -155,6 +155,57 @@ def test_a_bad_setting_fails_the_import_with_its_line_last_and_a_misspelled_name
     assert done.stderr.strip().splitlines()[-1] == "ImportError: " + _message("RESIDENT_MB", "-1", "the environment")
 
 
+def test_log_setting_is_checked_by_the_same_declaration(tmp_path):
+    """LAYERSTREAM_LOG=debug was refused by the package (and the AI-Toolkit hook then ran stock); its values
+    are the declaration's, and a bad one is refused with the same kind of line."""
+    from layerstream import _logging
+
+    assert set(_logging.LEVELS) == {"info", "warning", "debug", "off"}
+    for value in _logging.LEVELS:
+        assert _native.setting_refusal("LAYERSTREAM_LOG", value) is None
+    done = subprocess.run([sys.executable, "-c", "import layerstream"], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env=dict(os.environ, LAYERSTREAM_LOG="loud"))
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == (
+        "ValueError: LAYERSTREAM_LOG=loud (the environment) is not accepted; it takes info, warning, debug or off, "
+        "e.g. LAYERSTREAM_LOG=warning (unset: info)")
+
+
+def _tool_names() -> set[str]:
+    """LAYERSTREAM_* names that layerstream's build, tests and scripts read from the environment."""
+    found = set()
+    for pattern in ("scripts/*", "benchmarks/*", ".ci/*", "tests/python/*.py", "python/layerstream/*.py",
+                    "python/layerstream/bench/*.py", "pyproject.toml", "docs/*.md", "README.md"):
+        for path in REPO.glob(pattern):
+            # These files' misspellings are on purpose.
+            if path.is_file() and path.name not in (Path(__file__).name, "test_env_and_status.py"):
+                found |= set(re.findall(r"LAYERSTREAM_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="replace")))
+    return found - set(SPECS)
+
+
+def test_only_unknown_names_are_warned_about(tmp_path):
+    """The names the project's own tools read pass in silence; any other is warned about once, with the
+    nearest setting where one is close and without where none is."""
+    tools = _tool_names()
+    assert "LAYERSTREAM_TEST_DEADLINE_S" in tools and "LAYERSTREAM_CUDA" in tools
+    code = "import torch\nfrom layerstream import manager_modules as mm\nprint(sorted(mm.settings()))"
+    env = dict(os.environ, **{name: "1" for name in tools}, LAYERSTREAM_VRAM_BUDGE="24GiB",
+               LAYERSTREAM_QQQ_ZZZ_UNRELATED="1")
+    env["LAYERSTREAM_LOG"] = "warning"  # the Python package's own setting: "1" is not one of its values
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    # The package's stderr handler (no application handler here) puts "layerstream WARNING: " before each line.
+    warnings = sorted(line.removeprefix("layerstream WARNING: ") for line in done.stderr.splitlines()
+                      if "is not a layerstream setting" in line)
+    assert warnings == [
+        "LAYERSTREAM_QQQ_ZZZ_UNRELATED is not a layerstream setting and is ignored (the settings: docs/ai-toolkit.md, "
+        "\"Modes and settings\")",
+        "LAYERSTREAM_VRAM_BUDGE is not a layerstream setting and is ignored; did you mean LAYERSTREAM_VRAM_BUDGET? "
+        "(the settings: docs/ai-toolkit.md, \"Modes and settings\")",
+    ]
+
+
 @pytest.mark.parametrize("audience", ["user", "tuning", "tests"])
 def test_the_docs_tables_are_the_declaration(audience):
     """docs/ai-toolkit.md's tables are rendered from the one declaration (settings.markdown_table prints the
