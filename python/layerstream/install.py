@@ -86,6 +86,10 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def sha256_of(path: Path) -> str:
+    return _sha256(path.read_bytes())
+
+
 def patch_text() -> str:
     return resources.files("layerstream").joinpath("data", "ai-toolkit.patch").read_text()
 

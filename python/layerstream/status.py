@@ -90,7 +90,7 @@ def _hook_lines(checkout: install.Checkout, manifest: install.Manifest, env: dic
     LAYERSTREAM=0 chose stock)."""
     again = command("layerstream", "uninstall", *checkout_arg(checkout.root))
     hook = checkout.root / install.HOOK
-    if manifest.mode == "patch" and hook.is_file() and hook.read_text() != install.hook_text():
+    if manifest.mode == "patch" and hook.is_file() and install.sha256_of(hook) in install.LEGACY_HOOKS:
         report.problems.append(f"the installed hook is an older layerstream's: run `{again}` and `"
                                f"{command('layerstream', 'install', *checkout_arg(checkout.root))}` to renew it")
     found = install.probe(checkout, env)

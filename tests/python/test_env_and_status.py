@@ -224,3 +224,16 @@ def test_an_install_that_cannot_undo_says_what_is_left_and_how_to_finish(root, m
         f"the hook: Permission denied); left in {root}: toolkit/memory_management/manager_modules/__init__.py, "
         "toolkit/memory_management/layerstream-install.json. Finish with "
         f"`layerstream uninstall {shlex.quote(str(root))}`\n")
+
+
+def test_status_flags_a_hook_an_older_layerstream_wrote(root, monkeypatch):
+    """A hook of an earlier version (one that ran stock on a bad setting) is named, with the commands that renew
+    it; the checkout's hook is made one here by counting its bytes among the earlier versions'."""
+    _installed(root)
+    hook = root / install.HOOK
+    monkeypatch.setattr(install, "LEGACY_HOOKS", install.LEGACY_HOOKS | {install.sha256_of(hook)})
+    result = _cli("status", root)
+    assert result.returncode == 1
+    where = shlex.quote(str(root))
+    assert result.stdout.splitlines()[-1] == (f"  the installed hook is an older layerstream's: run `layerstream "
+                                              f"uninstall {where}` and `layerstream install {where}` to renew it")
