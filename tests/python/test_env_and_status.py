@@ -237,3 +237,18 @@ def test_status_flags_a_hook_an_older_layerstream_wrote(root, monkeypatch):
     where = shlex.quote(str(root))
     assert result.stdout.splitlines()[-1] == (f"  the installed hook is an older layerstream's: run `layerstream "
                                               f"uninstall {where}` and `layerstream install {where}` to renew it")
+
+
+@pytest.mark.parametrize("system,word,quoted", [
+    ("posix", "/home/me/ai toolkit", "'/home/me/ai toolkit'"),
+    ("posix", "/home/me/ai-toolkit", "/home/me/ai-toolkit"),
+    ("posix", "it's", "'it'\"'\"'s'"),
+    ("nt", r"C:\Users\me\ai toolkit", r'"C:\Users\me\ai toolkit"'),
+    ("nt", r"C:\ai-toolkit\.venv\Scripts\python.exe", r"C:\ai-toolkit\.venv\Scripts\python.exe"),
+    ("nt", r"C:\a&b", r'"C:\a&b"'),
+])
+def test_printed_commands_are_quoted_for_the_users_shell(monkeypatch, system, word, quoted):
+    from layerstream import shell
+
+    monkeypatch.setattr(shell.os, "name", system)
+    assert shell.quote(word) == quoted
