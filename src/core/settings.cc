@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <limits>
 #include <mutex>
 #include <set>
@@ -96,147 +97,149 @@ constexpr auto kTuning = SettingAudience::kTuning;
 constexpr auto kTests = SettingAudience::kTests;
 
 // Every setting, in the order of the docs' tables (docs/ai-toolkit.md, "Modes and settings").
+const Entry kEntries[] = {
+  {{"LAYERSTREAM", "switch", kUser, false, "1",
+    "1, on, true or yes (layerstream), or 0, off, false or no (AI-Toolkit's stock manager_modules.py)", "0",
+    "patch mode's hook: 0 runs AI-Toolkit's own code in the same checkout, for a comparison"},
+   [](Settings&, const std::string& t) { return switch_of(t).has_value(); }},
+  {{"LAYERSTREAM_VRAM_BUDGET", "size", kUser, true, "min",
+    "min (no layer kept: the least device memory), auto (what the device has free, given back when the "
+    "process needs it) or a size from 1 MiB to 1 PiB such as 24G, 24GB, 24GiB or '24 GiB' (case-insensitive, "
+    "binary: 24GB is 24x2^30 bytes) or a number of bytes",
+    "auto", "device memory that layers may stay in after the first training step; the rest stream"},
+   [](Settings& s, const std::string& t) { return store(s.vram_budget, VramBudget::parse(t)); }},
+  {{"LAYERSTREAM_HOST_DTYPE", "choice", kUser, true, "same",
+    "same (weights as they are), lossless (bfloat16 weights packed exactly, about 0.75x their bytes) or "
+    "float8_e4m3fn or float8_e5m2 (8-bit codes with a scale per output channel: half the bytes to copy, "
+    "not exact; host RAM 1.5x the bfloat16 weights)",
+    "lossless", "the form frozen weights are kept in on the host and copied to the device in"},
+   [](Settings& s, const std::string& t) {
+     const std::map<std::string, HostDtype> forms = {{"same", HostDtype::kSame},
+                                                     {"lossless", HostDtype::kLossless},
+                                                     {"float8_e4m3fn", HostDtype::kFloat8E4M3},
+                                                     {"float8_e5m2", HostDtype::kFloat8E5M2}};
+     const auto it = forms.find(t);
+     return it != forms.end() && store(s.host_dtype, std::optional<HostDtype>(it->second));
+   }},
+  {{"LAYERSTREAM_LOG", "choice", kUser, false, "info", "info, warning, debug or off", "warning",
+    "which of layerstream's log lines are printed (info: the active line, the VRAM plan, the periodic summary)"},
+   [](Settings&, const std::string& t) {
+     const std::string v = lower(t);
+     return v == "info" || v == "warning" || v == "debug" || v == "off";
+   }},
+  {{"LAYERSTREAM_RING_MB", "MiB", kTuning, true,
+    "on a GPU four of the largest layer, never more than the layers take (the CPU modes: 3x); with a VRAM "
+    "budget its plan's",
+    kMiBRange, "3072", "the device ring's size, fixed"},
+   [](Settings& s, const std::string& t) { return store(s.ring_bytes, mib(t, 1)); }},
+  {{"LAYERSTREAM_PREFETCH", "switch", kTuning, true, "1", kSwitch, "0",
+    "copies of the layers predicted next, ahead of need (see \"Prefetch\")"},
+   [](Settings& s, const std::string& t) { return store(s.prefetch, switch_of(t)); }},
+  {{"LAYERSTREAM_PREFETCH_LAYERS", "count", kTuning, true, "8", "a positive whole number of layers", "16",
+    "how many predicted layers a layer call may copy ahead, within a third of the ring's bytes"},
+   [](Settings& s, const std::string& t) {
+     const auto n = whole(t, 1, std::numeric_limits<std::size_t>::max());
+     return store(s.prefetch_layers, n ? std::optional<std::size_t>(static_cast<std::size_t>(*n)) : std::nullopt);
+   }},
+  {{"LAYERSTREAM_RING_POLICY", "choice", kTuning, true, "fifo",
+    "fifo (a copy goes at the ring's head) or lru (over the memory used longest ago; experimental)", "lru",
+    "where the ring places a copy (the VRAM budget's plan models fifo)"},
+   [](Settings& s, const std::string& t) {
+     if (t != "fifo" && t != "lru") return false;
+     s.ring_policy = t == "lru" ? RingPolicy::kLeastRecentlyUsed : RingPolicy::kFifo;
+     return true;
+   }},
+  {{"LAYERSTREAM_RESIDENT_MB", "MiB", kTuning, true, "0", kMiBRangeOrZero, "4096",
+    "MiB of layers kept on the device for good (first used, first kept)"},
+   [](Settings& s, const std::string& t) { return store(s.resident_bytes, mib(t, 0)); }},
+  {{"LAYERSTREAM_VRAM_PEAK", "choice", kTuning, true, "cycles",
+    "cycles (each training cycle's step and gap measured apart) or window (the first steps' window)", "window",
+    "how the VRAM budget measures a training step's peak (see \"VRAM budget\")"},
+   [](Settings& s, const std::string& t) {
+     if (t != "cycles" && t != "window") return false;
+     s.vram_peak = t == "cycles" ? VramPeak::kCycles : VramPeak::kWindow;
+     return true;
+   }},
+  {{"LAYERSTREAM_VRAM_GAP", "choice", kTuning, true, "peak",
+    "peak (a quarter of the device left free on top of the peak between steps), start (a quarter above the "
+    "training cycle's start; experimental) or lend (the quarter lent to resident layers that go back first; "
+    "experimental)",
+    "start", "where the VRAM budget keeps the room it promises between training steps (see \"VRAM budget\")"},
+   [](Settings& s, const std::string& t) {
+     if (t != "peak" && t != "start" && t != "lend") return false;
+     s.vram_gap = t == "start" ? VramGap::kQuarterAboveStart : t == "lend" ? VramGap::kLend : VramGap::kQuarterAtPeak;
+     return true;
+   }},
+  {{"LAYERSTREAM_OSTRIS_DECODE", "switch", kTuning, true, "1", kSwitch, "0",
+    "layerstream decodes AI-Toolkit's OstrisLinear weights itself, each proven bitwise on its first call "
+    "(0: every backend runs its own forward)"},
+   [](Settings& s, const std::string& t) { return store(s.ostris_decode, switch_of(t)); }},
+  {{"LAYERSTREAM_SHARE_HOST", "choice", kTuning, true, "auto", "auto, 1 or on, or 0 or off", "0",
+    "under torchrun or accelerate, the ranks of a host share one host copy of the frozen weights"},
+   [](Settings& s, const std::string& t) {
+     if (t == "auto") s.share_host = ShareHost::kAuto;
+     else if (t == "1" || t == "on") s.share_host = ShareHost::kOn;
+     else if (t == "0" || t == "off") s.share_host = ShareHost::kOff;
+     else return false;
+     return true;
+   }},
+  {{"LAYERSTREAM_SHARE_TIMEOUT_S", "seconds", kTuning, true, "600",
+    "a positive number of seconds up to 31536000 (a year)", "600",
+    "how long a rank waits for local rank 0's copy of a layer"},
+   [](Settings& s, const std::string& t) {
+     std::string rest;
+     const std::optional<double> v = decimal(t, rest);
+     if (!v || !rest.empty() || !(*v > 0) || *v > kMostTimeoutS) return false;
+     s.share_timeout_s = *v;
+     return true;
+   }},
+  {{"LAYERSTREAM_SHARE_TOKEN", "token", kTuning, true, "torchrun's job id", "letters, digits and underscores",
+    "job_42", "names the shared segments (the same in every rank of the job) where torchrun's environment does not"},
+   [](Settings& s, const std::string& t) {
+     for (char c : t) {
+       if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_') return false;
+     }
+     s.share_token = t;
+     return true;
+   }},
+  {{"LAYERSTREAM_CHUNK_MB", "MiB", kTuning, true, "256", kMiBRange, "256", "the largest pinned chunk"},
+   [](Settings& s, const std::string& t) { return store(s.chunk_bytes, mib(t, 1)); }},
+  {{"LAYERSTREAM_PINNED_CAP_MB", "MiB", kTuning, true, "no cap", kMiBRange, "65536",
+    "pin at most this much host memory; the rest is pageable and staged through bounce buffers"},
+   [](Settings& s, const std::string& t) { return store(s.pinned_cap_bytes, mib(t, 1)); }},
+  {{"LAYERSTREAM_TIME_WAITS", "switch", kTuning, true, "0", kSwitch, "1",
+    "time how long compute waits for copies (a few microseconds a layer call; `layerstream bench` turns it on)"},
+   [](Settings& s, const std::string& t) { return store(s.time_waits, switch_of(t)); }},
+  {{"LAYERSTREAM_LOG_EVERY", "count", kTuning, true, "100", "a whole number of optimizer steps (0: never)", "100",
+    "every N optimizer steps, an INFO line with what a step moved"},
+   [](Settings& s, const std::string& t) { return store(s.log_every, whole(t, 0, kMostCount)); }},
+  {{"LAYERSTREAM_DECODE_BLOCKS", "count", kTuning, true, "0",
+    "a whole number of thread blocks from 0 (no limit) to 65536", "64",
+    "lossless only: the most thread blocks of 256 a decode may use"},
+   [](Settings& s, const std::string& t) {
+     const auto n = whole(t, 0, kMostDecodeBlocks);
+     return store(s.decode_blocks, n ? std::optional<unsigned>(static_cast<unsigned>(*n)) : std::nullopt);
+   }},
+  {{"LAYERSTREAM_BACKEND", "choice", kTests, true, "cpu", "cpu or sim", "sim",
+    "how a CPU process device runs: computed on the CPU as upstream, or through the engine on the simulator"},
+   [](Settings& s, const std::string& t) {
+     if (t != "sim" && t != "cpu") return false;
+     s.backend = t == "sim" ? CpuBackend::kSim : CpuBackend::kCpu;
+     return true;
+   }},
+  {{"LAYERSTREAM_SIM_FAULTS", "count", kTests, true, "no faults",
+    "a whole number (the seed of the simulator's fault injector)", "1234",
+    "fault injection (delays, scrambled copies) on the simulator"},
+   [](Settings& s, const std::string& t) { return store(s.sim_faults, whole(t, 0, kMostCount)); }},
+  {{"LAYERSTREAM_SIM_DEVICE_MB", "MiB", kTests, true, "65536", kMiBRange, "2048", "the simulated device's memory"},
+   [](Settings& s, const std::string& t) { return store(s.sim_device_bytes, mib(t, 1)); }},
+  {{"LAYERSTREAM_SIM_PINNABLE_MB", "MiB", kTests, true, "no limit", kMiBRangeOrZero, "1",
+    "the most host memory the simulator lets the process pin (a small `ulimit -l`; 0: none)"},
+   [](Settings& s, const std::string& t) { return store(s.sim_pinnable_bytes, mib(t, 0)); }},
+};
+
 const std::vector<Entry>& entries() {
-  static const std::vector<Entry> table = {
-      {{"LAYERSTREAM", "switch", kUser, false, "1",
-        "1, on, true or yes (layerstream), or 0, off, false or no (AI-Toolkit's stock manager_modules.py)", "0",
-        "patch mode's hook: 0 runs AI-Toolkit's own code in the same checkout, for a comparison"},
-       [](Settings&, const std::string& t) { return switch_of(t).has_value(); }},
-      {{"LAYERSTREAM_VRAM_BUDGET", "size", kUser, true, "min",
-        "min (no layer kept: the least device memory), auto (what the device has free, given back when the "
-        "process needs it) or a size from 1 MiB to 1 PiB such as 24G, 24GB, 24GiB or '24 GiB' (case-insensitive, "
-        "binary: 24GB is 24x2^30 bytes) or a number of bytes",
-        "auto", "device memory that layers may stay in after the first training step; the rest stream"},
-       [](Settings& s, const std::string& t) { return store(s.vram_budget, VramBudget::parse(t)); }},
-      {{"LAYERSTREAM_HOST_DTYPE", "choice", kUser, true, "same",
-        "same (weights as they are), lossless (bfloat16 weights packed exactly, about 0.75x their bytes) or "
-        "float8_e4m3fn or float8_e5m2 (8-bit codes with a scale per output channel: half the bytes to copy, "
-        "not exact; host RAM 1.5x the bfloat16 weights)",
-        "lossless", "the form frozen weights are kept in on the host and copied to the device in"},
-       [](Settings& s, const std::string& t) {
-         const std::map<std::string, HostDtype> forms = {{"same", HostDtype::kSame},
-                                                         {"lossless", HostDtype::kLossless},
-                                                         {"float8_e4m3fn", HostDtype::kFloat8E4M3},
-                                                         {"float8_e5m2", HostDtype::kFloat8E5M2}};
-         const auto it = forms.find(t);
-         return it != forms.end() && store(s.host_dtype, std::optional<HostDtype>(it->second));
-       }},
-      {{"LAYERSTREAM_LOG", "choice", kUser, false, "info", "info, warning, debug or off", "warning",
-        "which of layerstream's log lines are printed (info: the active line, the VRAM plan, the periodic summary)"},
-       [](Settings&, const std::string& t) {
-         const std::string v = lower(t);
-         return v == "info" || v == "warning" || v == "debug" || v == "off";
-       }},
-      {{"LAYERSTREAM_RING_MB", "MiB", kTuning, true,
-        "on a GPU four of the largest layer, never more than the layers take (the CPU modes: 3x); with a VRAM "
-        "budget its plan's",
-        kMiBRange, "3072", "the device ring's size, fixed"},
-       [](Settings& s, const std::string& t) { return store(s.ring_bytes, mib(t, 1)); }},
-      {{"LAYERSTREAM_PREFETCH", "switch", kTuning, true, "1", kSwitch, "0",
-        "copies of the layers predicted next, ahead of need (see \"Prefetch\")"},
-       [](Settings& s, const std::string& t) { return store(s.prefetch, switch_of(t)); }},
-      {{"LAYERSTREAM_PREFETCH_LAYERS", "count", kTuning, true, "8", "a positive whole number of layers", "16",
-        "how many predicted layers a layer call may copy ahead, within a third of the ring's bytes"},
-       [](Settings& s, const std::string& t) {
-         const auto n = whole(t, 1, std::numeric_limits<std::size_t>::max());
-         return store(s.prefetch_layers, n ? std::optional<std::size_t>(static_cast<std::size_t>(*n)) : std::nullopt);
-       }},
-      {{"LAYERSTREAM_RING_POLICY", "choice", kTuning, true, "fifo",
-        "fifo (a copy goes at the ring's head) or lru (over the memory used longest ago; experimental)", "lru",
-        "where the ring places a copy (the VRAM budget's plan models fifo)"},
-       [](Settings& s, const std::string& t) {
-         if (t != "fifo" && t != "lru") return false;
-         s.ring_policy = t == "lru" ? RingPolicy::kLeastRecentlyUsed : RingPolicy::kFifo;
-         return true;
-       }},
-      {{"LAYERSTREAM_RESIDENT_MB", "MiB", kTuning, true, "0", kMiBRangeOrZero, "4096",
-        "MiB of layers kept on the device for good (first used, first kept)"},
-       [](Settings& s, const std::string& t) { return store(s.resident_bytes, mib(t, 0)); }},
-      {{"LAYERSTREAM_VRAM_PEAK", "choice", kTuning, true, "cycles",
-        "cycles (each training cycle's step and gap measured apart) or window (the first steps' window)", "window",
-        "how the VRAM budget measures a training step's peak (see \"VRAM budget\")"},
-       [](Settings& s, const std::string& t) {
-         if (t != "cycles" && t != "window") return false;
-         s.vram_peak = t == "cycles" ? VramPeak::kCycles : VramPeak::kWindow;
-         return true;
-       }},
-      {{"LAYERSTREAM_VRAM_GAP", "choice", kTuning, true, "peak",
-        "peak (a quarter of the device left free on top of the peak between steps), start (a quarter above the "
-        "training cycle's start; experimental) or lend (the quarter lent to resident layers that go back first; "
-        "experimental)",
-        "start", "where the VRAM budget keeps the room it promises between training steps (see \"VRAM budget\")"},
-       [](Settings& s, const std::string& t) {
-         if (t != "peak" && t != "start" && t != "lend") return false;
-         s.vram_gap = t == "start" ? VramGap::kQuarterAboveStart : t == "lend" ? VramGap::kLend : VramGap::kQuarterAtPeak;
-         return true;
-       }},
-      {{"LAYERSTREAM_OSTRIS_DECODE", "switch", kTuning, true, "1", kSwitch, "0",
-        "layerstream decodes AI-Toolkit's OstrisLinear weights itself, each proven bitwise on its first call "
-        "(0: every backend runs its own forward)"},
-       [](Settings& s, const std::string& t) { return store(s.ostris_decode, switch_of(t)); }},
-      {{"LAYERSTREAM_SHARE_HOST", "choice", kTuning, true, "auto", "auto, 1 or on, or 0 or off", "0",
-        "under torchrun or accelerate, the ranks of a host share one host copy of the frozen weights"},
-       [](Settings& s, const std::string& t) {
-         if (t == "auto") s.share_host = ShareHost::kAuto;
-         else if (t == "1" || t == "on") s.share_host = ShareHost::kOn;
-         else if (t == "0" || t == "off") s.share_host = ShareHost::kOff;
-         else return false;
-         return true;
-       }},
-      {{"LAYERSTREAM_SHARE_TIMEOUT_S", "seconds", kTuning, true, "600",
-        "a positive number of seconds up to 31536000 (a year)", "600",
-        "how long a rank waits for local rank 0's copy of a layer"},
-       [](Settings& s, const std::string& t) {
-         std::string rest;
-         const std::optional<double> v = decimal(t, rest);
-         if (!v || !rest.empty() || !(*v > 0) || *v > kMostTimeoutS) return false;
-         s.share_timeout_s = *v;
-         return true;
-       }},
-      {{"LAYERSTREAM_SHARE_TOKEN", "token", kTuning, true, "torchrun's job id", "letters, digits and underscores",
-        "job_42", "names the shared segments (the same in every rank of the job) where torchrun's environment does not"},
-       [](Settings& s, const std::string& t) {
-         for (char c : t) {
-           if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_') return false;
-         }
-         s.share_token = t;
-         return true;
-       }},
-      {{"LAYERSTREAM_CHUNK_MB", "MiB", kTuning, true, "256", kMiBRange, "256", "the largest pinned chunk"},
-       [](Settings& s, const std::string& t) { return store(s.chunk_bytes, mib(t, 1)); }},
-      {{"LAYERSTREAM_PINNED_CAP_MB", "MiB", kTuning, true, "no cap", kMiBRange, "65536",
-        "pin at most this much host memory; the rest is pageable and staged through bounce buffers"},
-       [](Settings& s, const std::string& t) { return store(s.pinned_cap_bytes, mib(t, 1)); }},
-      {{"LAYERSTREAM_TIME_WAITS", "switch", kTuning, true, "0", kSwitch, "1",
-        "time how long compute waits for copies (a few microseconds a layer call; `layerstream bench` turns it on)"},
-       [](Settings& s, const std::string& t) { return store(s.time_waits, switch_of(t)); }},
-      {{"LAYERSTREAM_LOG_EVERY", "count", kTuning, true, "100", "a whole number of optimizer steps (0: never)", "100",
-        "every N optimizer steps, an INFO line with what a step moved"},
-       [](Settings& s, const std::string& t) { return store(s.log_every, whole(t, 0, kMostCount)); }},
-      {{"LAYERSTREAM_DECODE_BLOCKS", "count", kTuning, true, "0",
-        "a whole number of thread blocks from 0 (no limit) to 65536", "64",
-        "lossless only: the most thread blocks of 256 a decode may use"},
-       [](Settings& s, const std::string& t) {
-         const auto n = whole(t, 0, kMostDecodeBlocks);
-         return store(s.decode_blocks, n ? std::optional<unsigned>(static_cast<unsigned>(*n)) : std::nullopt);
-       }},
-      {{"LAYERSTREAM_BACKEND", "choice", kTests, true, "cpu", "cpu or sim", "sim",
-        "how a CPU process device runs: computed on the CPU as upstream, or through the engine on the simulator"},
-       [](Settings& s, const std::string& t) {
-         if (t != "sim" && t != "cpu") return false;
-         s.backend = t == "sim" ? CpuBackend::kSim : CpuBackend::kCpu;
-         return true;
-       }},
-      {{"LAYERSTREAM_SIM_FAULTS", "count", kTests, true, "no faults",
-        "a whole number (the seed of the simulator's fault injector)", "1234",
-        "fault injection (delays, scrambled copies) on the simulator"},
-       [](Settings& s, const std::string& t) { return store(s.sim_faults, whole(t, 0, kMostCount)); }},
-      {{"LAYERSTREAM_SIM_DEVICE_MB", "MiB", kTests, true, "65536", kMiBRange, "2048", "the simulated device's memory"},
-       [](Settings& s, const std::string& t) { return store(s.sim_device_bytes, mib(t, 1)); }},
-      {{"LAYERSTREAM_SIM_PINNABLE_MB", "MiB", kTests, true, "no limit", kMiBRangeOrZero, "1",
-        "the most host memory the simulator lets the process pin (a small `ulimit -l`; 0: none)"},
-       [](Settings& s, const std::string& t) { return store(s.sim_pinnable_bytes, mib(t, 0)); }},
-  };
+  static const std::vector<Entry> table(std::begin(kEntries), std::end(kEntries));
   return table;
 }
 
