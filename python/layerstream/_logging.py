@@ -9,7 +9,7 @@ import os
 import sys
 
 logger = logging.getLogger("layerstream")
-LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "off": None}
+LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "debug": logging.DEBUG, "off": None}
 
 
 def _sink(level: int, message: str) -> None:
@@ -42,10 +42,14 @@ class FallbackHandler(logging.StreamHandler):
 
 
 def log_level_setting() -> int | None:
-    value = os.environ.get("LAYERSTREAM_LOG", "info").strip().lower()
-    if value not in LEVELS:
-        raise ValueError(f"LAYERSTREAM_LOG={value!r} is not understood: use info, warning or off "
-                         "(e.g. LAYERSTREAM_LOG=warning)")
+    value = os.environ.get("LAYERSTREAM_LOG", "").strip().lower() or "info"
+    if value not in LEVELS:  # the setting's one line, as for every other (its origin: ./.env or the environment)
+        from pathlib import Path
+
+        from . import settings
+
+        raise ValueError(settings.refusal("LAYERSTREAM_LOG", settings.run_settings(
+            Path.cwd() / ".env", loaded=True)["LAYERSTREAM_LOG"]))
     return LEVELS[value]
 
 

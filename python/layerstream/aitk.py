@@ -44,6 +44,25 @@ def hook_loaded(mm_dir: str | os.PathLike) -> None:
             ", ".join(KNOWN_VERSIONS.values()))
 
 
+def load_hook(mm_dir: str | os.PathLike) -> tuple[ModuleType | None, ImportError | None]:
+    """What the installed hook calls (patches/ai-toolkit.patch): checks the settings this run has (the
+    environment, which AI-Toolkit's run.py filled from the checkout's .env) and raises ValueError with the one
+    line of the first that is not accepted; then imports layerstream's manager_modules. Returns (the module,
+    None), or (None, why) when it cannot be loaded in this Python (the hook then runs stock, with a warning)."""
+    from . import settings
+
+    dotenv = Path(mm_dir).parent.parent / ".env"
+    found = settings.problems(settings.run_settings(dotenv, loaded=True))
+    if found:
+        raise ValueError(found[0])
+    try:
+        from . import manager_modules
+    except ImportError as exc:
+        return None, exc
+    hook_loaded(mm_dir)
+    return manager_modules, None
+
+
 def aitk_dir_from_env() -> Path | None:
     """The checkout named by ``AI_TOOLKIT_DIR``, or None when unset."""
     value = os.environ.get("AI_TOOLKIT_DIR")

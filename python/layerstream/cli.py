@@ -35,7 +35,25 @@ def _uninstall(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from layerstream import status
 
-    print(status.report(args.path))
+    text, code = status.report(args.path)
+    print(text)
+    return code
+
+
+def _set(args: argparse.Namespace) -> int:
+    from layerstream import dotenv_file, install
+
+    name, equals, value = args.assignment.partition("=")
+    if not equals:
+        raise ValueError(f"give NAME=value, e.g. `layerstream set LAYERSTREAM_VRAM_BUDGET=auto`, not {args.assignment!r}")
+    print(dotenv_file.set_value(install.inspect(args.path).root / ".env", name.strip(), value.strip()))
+    return 0
+
+
+def _unset(args: argparse.Namespace) -> int:
+    from layerstream import dotenv_file, install
+
+    print(dotenv_file.unset_value(install.inspect(args.path).root / ".env", args.name))
     return 0
 
 
@@ -75,16 +93,25 @@ def build_parser() -> argparse.ArgumentParser:
     command("bench", _bench, "side-by-side training benchmark: resident, stock AI-Toolkit, layerstream",
             add_help=False)
     command("info", _info, "print the build and the devices it sees")
+    checkout_help = "the AI-Toolkit checkout, the folder that contains toolkit/ (default: the current folder)"
     sub = command("install", _install, "make an AI-Toolkit checkout run on layerstream (patch or copy mode)")
-    sub.add_argument("path", help="the AI-Toolkit checkout (the folder that contains toolkit/)")
+    sub.add_argument("path", nargs="?", default=".", help=checkout_help)
     sub.add_argument("--mode", choices=["patch", "copy"], default="patch",
                      help="patch: add a small loader package (default, recommended); copy: copy the extension in")
     sub.add_argument("--force", action="store_true", help="install into an unknown or modified checkout")
     sub = command("uninstall", _uninstall, "remove what `layerstream install` wrote (only files it wrote, "
                   "only while unchanged)")
-    sub.add_argument("path", help="the AI-Toolkit checkout")
-    sub = command("status", _status, "show whether an AI-Toolkit checkout runs on layerstream, and its settings")
-    sub.add_argument("path", help="the AI-Toolkit checkout")
+    sub.add_argument("path", nargs="?", default=".", help=checkout_help)
+    sub = command("status", _status, "show whether an AI-Toolkit checkout runs on layerstream as configured, and "
+                  "its settings (exit status 1 when it will not)")
+    sub.add_argument("path", nargs="?", default=".", help=checkout_help)
+    sub = command("set", _set, "set a LAYERSTREAM setting in the checkout's .env (checked first; other lines kept "
+                  "byte for byte)")
+    sub.add_argument("assignment", metavar="NAME=value", help="e.g. LAYERSTREAM_VRAM_BUDGET=auto")
+    sub.add_argument("path", nargs="?", default=".", help=checkout_help)
+    sub = command("unset", _unset, "remove a LAYERSTREAM setting from the checkout's .env")
+    sub.add_argument("name", metavar="NAME", help="e.g. LAYERSTREAM_VRAM_BUDGET")
+    sub.add_argument("path", nargs="?", default=".", help=checkout_help)
     sub = command("doctor", _doctor, "check GPU, driver, torch, the extension, host RAM, pinning and bandwidth")
     sub.add_argument("--aitk", action="store_true",
                      help="check for training in AI-Toolkit: a CPU-only torch or no GPU is a failure")

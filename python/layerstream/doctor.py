@@ -152,6 +152,22 @@ def _host_ram_line(weights_gb: float | None, host_dtype: str = "same") -> Line:
     return Line(verdict, "host RAM", detail)
 
 
+def _settings_lines() -> list[Line]:
+    """The LAYERSTREAM settings of this environment, and of ./.env where this is an AI-Toolkit checkout: one
+    FAIL line per setting that is not accepted (the line the AI-Toolkit hook would stop the job with)."""
+    from pathlib import Path
+
+    from layerstream import settings
+
+    here = Path.cwd()
+    dotenv = here / ".env" if (here / "toolkit" / "memory_management" / "manager.py").is_file() else None
+    found = settings.problems(settings.run_settings(dotenv), dotenv)
+    if found:
+        return [Line("FAIL", "settings", line) for line in found]
+    where = "this environment" + (" and ./.env" if dotenv is not None else "")
+    return [Line("OK", "settings", f"the LAYERSTREAM settings of {where} are accepted")]
+
+
 def _windows_line() -> Line | None:
     wsl = "microsoft" in platform.release().lower()
     if os.name != "nt" and not wsl:
@@ -213,6 +229,7 @@ def run(aitk: bool = False, weights_gb: float | None = None, host_dtype: str | N
         lines.append(_check_extension())
         lines.append(_cuda_backend_line(torch, aitk))
         lines.extend(_gpu_lines(torch, aitk))
+    lines.extend(_settings_lines())
     lines.append(_host_ram_line(weights_gb, host_dtype or chosen_host_dtype()))
     windows = _windows_line()
     if windows is not None:

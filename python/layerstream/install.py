@@ -26,13 +26,16 @@ from importlib import resources
 from pathlib import Path
 
 from .aitk import KNOWN_VERSIONS, manager_version
+from .shell import checkout_arg, command
 
 MM_DIR = Path("toolkit") / "memory_management"
 HOOK_DIR = MM_DIR / "manager_modules"
 HOOK = HOOK_DIR / "__init__.py"
 MANIFEST = MM_DIR / "layerstream-install.json"
-# Hooks that layerstream versions before the manifest wrote (no layerstream-install.json next to them).
-LEGACY_HOOKS = {"da0d4ba72f1b135988fcd0c7193083e7df1d510d449e25def5f40de9eca464d9"}
+# Hooks that earlier layerstream versions wrote: recognised without a manifest, and reported by `status` as
+# outdated (reinstall to get the current one).
+LEGACY_HOOKS = {"da0d4ba72f1b135988fcd0c7193083e7df1d510d449e25def5f40de9eca464d9",
+                "0d19d373ad7dc59f9a18b888580dd102d6924d2bfc8288d9e383d7294bae9de4"}
 _WINDOWS = os.name == "nt"
 
 
@@ -81,6 +84,10 @@ class Manifest:
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def sha256_of(path: Path) -> str:
+    return _sha256(path.read_bytes())
 
 
 def patch_text() -> str:
@@ -177,7 +184,7 @@ def _refuse_foreign_files(checkout: Checkout) -> None:
 
 
 PROBE = r"""
-import importlib.util, json, os, sys
+import importlib.util, os, sys
 mm_dir = sys.argv[1]
 spec = importlib.util.spec_from_file_location("_layerstream_probe", os.path.join(mm_dir, "__init__.py"),
                                               submodule_search_locations=[mm_dir])
@@ -186,8 +193,6 @@ sys.modules["_layerstream_probe"] = package
 spec.loader.exec_module(package)
 module = sys.modules["_layerstream_probe.manager_modules"]
 print("LOADED", module.__name__, getattr(module, "__file__", ""))
-if hasattr(module, "settings"):
-    print("SETTINGS", json.dumps(module.settings(), default=str))
 """
 
 
@@ -197,23 +202,24 @@ class Probe:
 
     layerstream: bool  # layerstream's module is what `from .manager_modules import ...` finds
     detail: str  # the module's file, or why it did not load
-    settings: dict | None  # manager_modules.settings() where the module has it
 
 
-def probe(checkout: Checkout, env: dict[str, str] | None = None) -> Probe:
-    """Imports the checkout's toolkit.memory_management in a fresh interpreter (this Python) as AI-Toolkit does,
-    without AI-Toolkit's other packages; bytecode is not written into the checkout."""
+def probe(checkout: Checkout, env: dict[str, str] | None = None, python: str | None = None) -> Probe:
+    """Imports the checkout's toolkit.memory_management in a fresh interpreter (this Python, or `python`) as
+    AI-Toolkit does, without AI-Toolkit's other packages; bytecode is not written into the checkout."""
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
-    result = subprocess.run([sys.executable, "-c", PROBE, str(checkout.mm_dir)], capture_output=True, text=True,
-                            env=env, cwd=checkout.root)
-    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("LOADED ", "SETTINGS ")))
+    try:
+        result = subprocess.run([python or sys.executable, "-c", PROBE, str(checkout.mm_dir)], capture_output=True,
+                                text=True, env=env, cwd=checkout.root)
+    except OSError as exc:
+        return Probe(False, f"{python or sys.executable} does not run: {exc.strerror or exc}")
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith("LOADED "))
     warning = next((line.strip() for line in result.stderr.splitlines() if "layerstream could not be loaded" in line), "")
     if result.returncode != 0 or "LOADED" not in lines:
-        return Probe(False, warning or (result.stderr.strip().splitlines() or ["no output"])[-1], None)
+        return Probe(False, warning or (result.stderr.strip().splitlines() or ["no output"])[-1])
     name, _, file = lines["LOADED"].partition(" ")
     native = name == "layerstream.manager_modules" or file.endswith((".so", ".pyd"))
-    settings = json.loads(lines["SETTINGS"]) if "SETTINGS" in lines else None
-    return Probe(native, file or name if native else (warning or f"it loads {file or name}"), settings)
+    return Probe(native, file or name if native else (warning or f"it loads {file or name}"))
 
 
 def _verify(checkout: Checkout) -> None:
@@ -224,9 +230,11 @@ def _verify(checkout: Checkout) -> None:
 
 
 def next_steps(root: Path) -> str:
+    where = checkout_arg(root)
     return (f"Next: set `layer_offloading: true` under `model:` in your job config (UI: Model -> Layer Offloading), "
             f"start training, and look for `layerstream manager_modules active` in the log. Settings go into "
-            f"{root / '.env'} (e.g. LAYERSTREAM_VRAM_BUDGET=auto); `layerstream status {root}` shows them.")
+            f"{root / '.env'}: `{command('layerstream', 'set', 'LAYERSTREAM_VRAM_BUDGET=auto', *where)}`; "
+            f"`{command('layerstream', 'status', *where)}` checks them.")
 
 
 def install(path: str | Path, mode: str = "patch", force: bool = False) -> str:
@@ -240,7 +248,7 @@ def install(path: str | Path, mode: str = "patch", force: bool = False) -> str:
     current = installed_mode(checkout)
     if current is not None:
         raise InstallError(f"layerstream is already installed in {checkout.root} ({current} mode); "
-                           f"run `layerstream uninstall {checkout.root}` first")
+                           f"run `{command('layerstream', 'uninstall', *checkout_arg(checkout.root))}` first")
     changes = _local_changes(checkout)
     if changes and not force:
         raise InstallError(f"{MM_DIR} has local changes ({'; '.join(changes.splitlines()[:3])}): "
@@ -255,8 +263,8 @@ def install(path: str | Path, mode: str = "patch", force: bool = False) -> str:
         files = {HOOK.as_posix(): hook_text().encode()}
         created = [] if (checkout.root / HOOK_DIR).is_dir() else [HOOK_DIR.as_posix()]
     manifest = Manifest(mode, {rel: _sha256(data) for rel, data in files.items()}, created)
-    manifest.save(checkout.root)
     try:
+        manifest.save(checkout.root)
         for rel in created:
             try:
                 (checkout.root / rel).mkdir()
@@ -265,8 +273,8 @@ def install(path: str | Path, mode: str = "patch", force: bool = False) -> str:
         for rel, data in files.items():
             _write(checkout.root / rel, data)
         _verify(checkout)
-    except InstallError:
-        _remove(checkout, manifest)
+    except BaseException as exc:  # an error, an OSError, Ctrl-C: nothing of the install may stay
+        _undo(checkout, manifest, exc)
         raise
     if mode == "copy":
         switch = "LAYERSTREAM=0 has no effect in copy mode (uninstall to run stock)"
@@ -275,6 +283,23 @@ def install(path: str | Path, mode: str = "patch", force: bool = False) -> str:
     return (f"installed layerstream in {checkout.root} ({mode} mode; AI-Toolkit "
             f"{checkout.version or 'of an unknown version'}); the hook loads in this Python. {switch}.\n"
             + next_steps(checkout.root))
+
+
+def _undo(checkout: Checkout, manifest: Manifest, cause: BaseException) -> None:
+    """Removes what an install that stopped (`cause`) wrote; when that fails too, raises an InstallError that
+    names what is left and how to finish. A Ctrl-C undone becomes an InstallError that says so."""
+    try:
+        left = _remove(checkout, manifest)
+    except BaseException as failure:
+        remaining = [rel for rel in [*manifest.files, MANIFEST.as_posix()] if (checkout.root / rel).exists()]
+        why = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+        raise InstallError(
+            f"install stopped ({why}) and could not undo itself ({failure}); left in "
+            f"{checkout.root}: {', '.join(remaining) or 'nothing'}. Finish with "
+            f"`{command('layerstream', 'uninstall', *checkout_arg(checkout.root))}`") from cause
+    if isinstance(cause, KeyboardInterrupt):
+        note = f"; left in place: {'; '.join(left)}" if left else ""
+        raise InstallError(f"interrupted; the installation was undone, {checkout.root} is as it was{note}") from cause
 
 
 def _diff(rel: str, written: bytes | None, now: bytes) -> str:

@@ -11,6 +11,7 @@
 #include "layerstream/check.h"
 #include "layerstream/cuda_backend.h"
 #include "layerstream/log.h"
+#include "layerstream/settings.h"
 #include "layerstream/sim_backend.h"
 #include "layerstream/transfer_engine.h"
 
@@ -72,6 +73,34 @@ void bind_platform(py::module_& m) {
       },
       py::arg("sink"), "Route core log messages to sink(level: int, message: str); None restores stderr.");
   m.def("reset_log_once", &reset_log_once);
+}
+
+// The settings' declaration (layerstream/settings.h) and their parsers, for `layerstream status`, `set` and
+// the AI-Toolkit hook, which check settings without importing manager_modules (whose import refuses them).
+void bind_settings_table(py::module_& m) {
+  m.def("settings_table", [] {
+    py::list rows;
+    for (const SettingSpec& s : Settings::table()) {
+      const char* audience = s.audience == SettingAudience::kUser     ? "user"
+                             : s.audience == SettingAudience::kTuning ? "tuning"
+                                                                      : "tests";
+      py::dict row;
+      row["name"] = s.name;
+      row["type"] = s.type;
+      row["audience"] = audience;
+      row["native"] = s.native;
+      row["default"] = s.default_value;
+      row["accepts"] = s.accepts;
+      row["example"] = s.example;
+      row["doc"] = s.doc;
+      rows.append(row);
+    }
+    return rows;
+  }, "Every setting's declaration, in the docs' order: name, type, audience, native, default, accepts, example, doc.");
+  m.def("setting_refusal", &Settings::refusal, py::arg("name"), py::arg("value"), py::arg("origin") = "",
+        "The one line refusing `value` for setting `name` (naming `origin`, e.g. '.env line 3'), or None when "
+        "it is accepted; an unknown name is refused.");
+  m.def("nearest_setting", &Settings::nearest, py::arg("name"), "The setting nearest to `name`, or ''.");
 }
 
 void bind_backends(py::module_& m) {
@@ -195,6 +224,7 @@ PYBIND11_MODULE(_native, m) {
   });
 
   bind_platform(m);
+  bind_settings_table(m);
   bind_backends(m);
   bind_engine(m);
 }

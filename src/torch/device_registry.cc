@@ -4,7 +4,7 @@
 
 #include "layerstream/log.h"
 #include "py_torch.h"
-#include "settings.h"
+#include "layerstream/settings.h"
 
 #ifdef LAYERSTREAM_TORCH_CUDA
 #include <c10/cuda/CUDAFunctions.h>

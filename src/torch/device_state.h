@@ -37,7 +37,7 @@
 #include "layerstream/stats_fields.h"
 #include "layerstream/transfer_engine.h"
 #include "layerstream/vram_budget.h"
-#include "settings.h"
+#include "layerstream/settings.h"
 
 namespace layerstream::torchglue {
 

@@ -14,6 +14,7 @@
 // stream how), forward_paths and ostris_layer (what a call does, per LayerManager::path), telemetry
 // (stats() and the log), share_handshake (HostShare's resolver), settings_binding and testing_hooks (the
 // `_testing` submodule).
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <string>
@@ -27,10 +28,10 @@
 #include "layer_manager.h"
 #include "layerstream/check.h"
 #include "layerstream/log.h"
+#include "layerstream/settings.h"
 #include "ostris_layer.h"
 #include "packed_weight_glue.h"
 #include "py_torch.h"
-#include "settings.h"
 #include "streamed_layer.h"
 #include "telemetry.h"
 
@@ -148,14 +149,11 @@ void bind_layer_managers(py::module_& m) {
 PYBIND11_MODULE(manager_modules, m) {
   check_torch_version();
   route_log_to_python();
-  // The settings are read and checked now: a bad value fails the import (its ValueError the cause of the
-  // ImportError), not the first layer call minutes into a run.
-  try {
-    Settings::refresh();
-  } catch (const InvalidArgument& e) {
-    PyErr_SetString(PyExc_ValueError, e.what());
-    throw py::error_already_set();
-  }
+  // The settings are read and checked now: a bad value fails the import, not the first layer call minutes
+  // into a run. pybind11 turns a C++ exception of the init into an ImportError with its message, the one line
+  // of the refusal, which is then the last line of the traceback (a Python error would become the cause of
+  // an ImportError "initialization failed", and that line is all a log's last line would show).
+  Settings::refresh();
   m.doc() = "layerstream's drop-in replacement for AI-Toolkit's toolkit/memory_management/manager_modules.py";
 
   py::register_exception_translator([](std::exception_ptr p) {
@@ -169,6 +167,9 @@ PYBIND11_MODULE(manager_modules, m) {
       PyErr_SetString(oom.ptr(), e.what());
     } catch (const Error& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
+    } catch (const c10::Error&) {
+      // torch's own refusal (a layer call torch would refuse, run uncast): the type and message torch gives it.
+      torch::translate_exception_to_python(p);
     }
   });
 

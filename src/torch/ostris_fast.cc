@@ -11,7 +11,7 @@
 #include "layerstream/check.h"
 #include "layerstream/log.h"
 #include "layerstream/ostris_decode.h"
-#include "settings.h"
+#include "layerstream/settings.h"
 #include "streamed_layer.h"
 
 #ifdef LAYERSTREAM_TORCH_CUDA

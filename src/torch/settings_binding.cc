@@ -8,7 +8,7 @@
 
 #include "bindings.h"
 #include "layerstream/check.h"
-#include "settings.h"
+#include "layerstream/settings.h"
 #include "streamed_layer.h"
 
 namespace py = pybind11;
@@ -75,14 +75,39 @@ py::dict settings_dict() {
   return d;
 }
 
-// A Python value as the text an environment variable would hold.
-std::optional<std::string> text_of(const std::string& key, const py::handle& value) {
+// The declaration of the setting configure() calls `key`, when manager_modules reads it.
+const SettingSpec* native_spec(const std::string& key) {
+  for (const SettingSpec& spec : Settings::table()) {
+    if (spec.native && key_of(spec.name) == key) return &spec;
+  }
+  return nullptr;
+}
+
+// What configure() takes for a setting of each type: the types settings() returns, and a str (the
+// environment's text, checked by the same parser). A bool is no number (True is not 1 MiB).
+const char* python_types(const std::string& type) {
+  if (type == "switch") return "a bool or str";
+  if (type == "MiB" || type == "count") return "an int or str";
+  if (type == "size" || type == "seconds") return "an int, float or str";
+  return "a str";
+}
+
+// A Python value as the text an environment variable would hold; a value of a type the setting does not
+// take is refused.
+std::optional<std::string> text_of(const std::string& key, const SettingSpec& spec, const py::handle& value) {
   if (value.is_none()) return std::nullopt;
-  if (py::isinstance<py::bool_>(value)) return value.cast<bool>() ? "1" : "0";
-  if (py::isinstance<py::int_>(value) || py::isinstance<py::float_>(value) || py::isinstance<py::str>(value)) {
+  const std::string type = spec.type;
+  const bool is_bool = py::isinstance<py::bool_>(value);
+  const bool is_int = py::isinstance<py::int_>(value) && !is_bool;
+  const bool is_float = py::isinstance<py::float_>(value);
+  if (py::isinstance<py::str>(value)) return value.cast<std::string>();
+  if (is_bool && type == "switch") return value.cast<bool>() ? "1" : "0";
+  if (is_int && (type == "MiB" || type == "count" || type == "size" || type == "seconds")) {
     return py::str(value).cast<std::string>();
   }
-  LS_CHECK_ARG(false, "configure(", key, "=...): give a bool, int, float, str or None (back to the environment), not ",
+  if (is_float && (type == "size" || type == "seconds")) return py::str(value).cast<std::string>();
+  LS_CHECK_ARG(false, "configure(", key, "=", py::repr(value).cast<std::string>(), "): ", key, " takes ",
+               python_types(type), " (", spec.accepts, ") or None (back to the environment), not ",
                py::str(py::type::of(value).attr("__name__")).cast<std::string>());
   return std::nullopt;
 }
@@ -91,17 +116,17 @@ void configure(const py::kwargs& kwargs) {
   std::map<std::string, std::optional<std::string>> values;
   for (auto item : kwargs) {
     const std::string key = item.first.cast<std::string>();
-    std::string name = "LAYERSTREAM_" + key;
-    std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::toupper(c); });
-    const auto& names = Settings::names();
-    if (std::find(names.begin(), names.end(), name) == names.end() ||
-        key != key_of(name)) {
+    const SettingSpec* spec = native_spec(key);
+    if (spec == nullptr) {
+      std::string name = "LAYERSTREAM_" + key;
+      std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::toupper(c); });
       const std::string near = Settings::nearest(name);
       LS_CHECK_ARG(false, "configure(", key, "=...): ", key, " is not a layerstream setting",
-                   near.empty() ? std::string() : "; did you mean " + key_of(near) + "?",
+                   near.empty() || native_spec(key_of(near)) == nullptr ? std::string()
+                                                                        : "; did you mean " + key_of(near) + "?",
                    " (settings() lists them)");
     }
-    values[name] = text_of(key, item.second);
+    values[spec->name] = text_of(key, *spec, item.second);
   }
   Settings::configure(values);
   if (kwargs.contains("decode_blocks")) set_decode_blocks(Settings::current()->decode_blocks);

@@ -14,7 +14,7 @@
 #include "host_share.h"
 #include "layerstream/check.h"
 #include "layerstream/log.h"
-#include "settings.h"
+#include "layerstream/settings.h"
 
 namespace py = pybind11;
 

@@ -20,19 +20,25 @@
 
 namespace layerstream::torchglue {
 
-using detail::as_dtype;
 using detail::view_of;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 namespace {
 
-// Weights compute in the input's dtype; integer or other inputs compute in bfloat16 (as upstream).
-// float64 stays float64: upstream's float path computes F.linear(x, w) uncast, so a double layer gets
-// a double result (casting it to bfloat16 would silently lose precision).
-at::ScalarType compute_dtype(const at::Tensor& x) {
+// Weights compute in the input's floating dtype. float64 stays float64: upstream's float path computes
+// F.linear(x, w) uncast, so a double layer gets a double result. Any other input (integer, bool, complex,
+// float8) is refused by torch's own linear and conv and by upstream's (which casts only the weight of a
+// quantized layer, never the input): nullopt, and the call runs uncast so that torch's error is the answer
+// (a cast would compute a complex input without its imaginary part).
+std::optional<at::ScalarType> compute_dtype(const at::Tensor& x) {
   const auto t = x.scalar_type();
-  return (t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble) ? t : at::kBFloat16;
+  if (t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble) return t;
+  return std::nullopt;
+}
+
+at::Tensor as_dtype(const at::Tensor& t, const std::optional<at::ScalarType>& dtype) {
+  return dtype ? detail::as_dtype(t, *dtype) : t;
 }
 
 // Holds the layer for the autograd node (IValue capsules take CustomClassHolder pointers).

@@ -8,7 +8,7 @@
 #include "layerstream/check.h"
 #include "layerstream/log.h"
 #include "layerstream/stats_fields.h"
-#include "settings.h"
+#include "layerstream/settings.h"
 #include "streamed_layer.h"
 
 namespace layerstream::torchglue {

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import aitk_dirs
-from layerstream import cli
+from layerstream import _native, cli
 
 STANDIN = {
     "toolkit/__init__.py": "",
@@ -155,8 +155,12 @@ def test_a_bad_setting_stops_the_installed_checkout_instead_of_running_stock(tmp
     result = subprocess.run([sys.executable, "-c", PROBE], cwd=root, capture_output=True, text=True,
                             env={**os.environ, "LAYERSTREAM_RING_MB": "-1"})
     assert result.returncode != 0 and "ENGINE" not in result.stdout
-    assert ("ValueError: LAYERSTREAM_RING_MB=-1 is not a positive whole number of MiB up to 1073741824 (1 PiB); "
-            "unset it or give e.g. LAYERSTREAM_RING_MB=3072") in result.stderr
+    # The refusal is the traceback's last line: the hook's own ValueError, or (copy mode, the extension
+    # imported directly) the ImportError's message.
+    refusal = _native.setting_refusal("LAYERSTREAM_RING_MB", "-1", "the environment")
+    assert refusal.startswith("LAYERSTREAM_RING_MB=-1 (the environment) is not accepted; it takes a positive")
+    kind = "ValueError" if mode == "patch" else "ImportError"
+    assert result.stderr.strip().splitlines()[-1] == f"{kind}: {refusal}"
 
 
 def test_failures_are_messages_with_a_remedy(tmp_path):
@@ -399,7 +403,19 @@ def test_layerstream_off_values_run_stock(tmp_path):
         assert _probe(root, LAYERSTREAM=value) == "stock", value
     assert _probe(root, LAYERSTREAM="on") == "layerstream"
     result = _run_probe(root, LAYERSTREAM="maybe")
-    assert result.returncode != 0 and "LAYERSTREAM='maybe' is not understood" in result.stderr
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1] == (
+        "ValueError: LAYERSTREAM=maybe (the environment) is not accepted; it takes 1, on, true or yes (layerstream), "
+        "or 0, off, false or no (AI-Toolkit's stock manager_modules.py), e.g. LAYERSTREAM=0 (unset: 1)")
+
+
+def test_log_debug_runs_layerstream_not_stock(tmp_path):
+    """LAYERSTREAM_LOG=debug was refused by the package, and the hook then ran stock with advice to reinstall."""
+    root = _make_checkout(tmp_path / "ai-toolkit", None, git=False)
+    assert _cli("install", root, "--force").returncode == 0
+    result = _run_probe(root, LAYERSTREAM_LOG="debug")
+    assert result.returncode == 0, result.stderr
+    assert "ENGINE layerstream" in result.stdout and "could not be loaded" not in result.stderr
 
 
 def test_windows_extension_in_use_says_close_ai_toolkit(tmp_path, monkeypatch):
@@ -428,7 +444,7 @@ def test_windows_extension_in_use_says_close_ai_toolkit(tmp_path, monkeypatch):
 
 # --- Issue 22: the command line, doctor, bench, logging, status.
 
-COMMANDS = ["demo", "bench", "info", "install", "uninstall", "status", "doctor"]
+COMMANDS = ["demo", "bench", "info", "install", "uninstall", "status", "set", "unset", "doctor"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -502,17 +518,18 @@ def test_hook_warns_once_for_an_untested_manager(tmp_path):
 @pytest.mark.parametrize("source", aitk_dirs(), ids=lambda s: Path(s).name)
 def test_status_and_a_tested_manager(tmp_path, source):
     root = _make_checkout(tmp_path / "ai-toolkit", source)
-    assert "not installed" in _cli("status", root).stdout
+    stock = _cli("status", root)
+    assert stock.returncode == 1 and "installed    no (stock)" in stock.stdout
     assert _cli("install", root).returncode == 0
     (root / ".env").write_text("LAYERSTREAM_VRAM_BUDGET=auto\n")
     result = _run_probe(root)
     assert result.returncode == 0 and "differs from the AI-Toolkit versions" not in result.stderr
     status = _cli("status", root)
-    assert status.returncode == 0, status.stderr
-    out = status.stdout
-    assert f"AI-Toolkit    {Path(source).name}" in out
-    assert "mode          patch" in out and "loads         yes" in out
-    assert "LAYERSTREAM_VRAM_BUDGET=auto  (.env)" in out
+    assert status.returncode == 0, status.stdout
+    out = status.stdout.splitlines()
+    assert out[1].startswith(f"AI-Toolkit   {Path(source).name}")
+    assert out[2] == "installed    patch mode (toolkit/memory_management/manager_modules/__init__.py)"
+    assert out[3] == f"this Python  {sys.executable}: layerstream loads"
 
 
 def test_the_patch_adds_the_file_install_writes(tmp_path):

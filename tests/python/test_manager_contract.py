@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import re
 import subprocess
 import sys
 import weakref
@@ -499,8 +500,8 @@ def test_the_lookahead_is_a_number_of_layers_the_environment_may_set(engine, dev
         pytest.skip("the CPU mode has no engine to prefetch with")
     base, ref_losses = _setting_refused_then_reference(
         monkeypatch, device, "LAYERSTREAM_PREFETCH_LAYERS", "two",
-        "LAYERSTREAM_PREFETCH_LAYERS=two is not a positive whole number of layers; unset it or give e.g. "
-        "LAYERSTREAM_PREFETCH_LAYERS=16")
+        re.escape("LAYERSTREAM_PREFETCH_LAYERS=two (the environment) is not accepted; it takes a positive whole "
+                  "number of layers, e.g. LAYERSTREAM_PREFETCH_LAYERS=16 (unset: 8)"))
     for layers in ("1", "16"):
         stats = _trained_with(monkeypatch, "LAYERSTREAM_PREFETCH_LAYERS", layers, base, device, ref_losses)
         assert stats["prefetches"] > 0
@@ -515,7 +516,7 @@ def test_least_recently_used_placement_trains_exactly(engine, device, monkeypatc
         pytest.skip("the CPU mode has no ring")
     base, ref_losses = _setting_refused_then_reference(
         monkeypatch, device, "LAYERSTREAM_RING_POLICY", "newest",
-        "LAYERSTREAM_RING_POLICY=newest is not understood; give fifo")
+        re.escape("LAYERSTREAM_RING_POLICY=newest (the environment) is not accepted; it takes fifo"))
     for policy in ("fifo", "lru"):
         stats = _trained_with(monkeypatch, "LAYERSTREAM_RING_POLICY", policy, base, device, ref_losses)
         assert stats["reuse_hits"] > 0 and stats["sim_races"] == 0
@@ -623,7 +624,8 @@ def test_vram_budget_setting_is_checked(monkeypatch):
     clear_device_states()
     monkeypatch.setenv("LAYERSTREAM_BACKEND", "sim")
     monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "24 gigs")
-    with pytest.raises(ValueError, match="LAYERSTREAM_VRAM_BUDGET=24 gigs is not understood.*auto.*24GiB"):
+    with pytest.raises(ValueError, match=r"LAYERSTREAM_VRAM_BUDGET=24 gigs \(the environment\) is not accepted; it "
+                                         r"takes min .*auto.*24GiB"):
         mm.LinearLayerMemoryManager.attach(torch.nn.Linear(2, 2), Manager("cpu"))
     clear_device_states()
 

@@ -1,12 +1,18 @@
-// Settings: every LAYERSTREAM_* environment variable, parsed into typed fields in one place.
+// Settings: every LAYERSTREAM_* environment variable, declared once and parsed into typed fields in one place.
+//
+// Settings::table() is the one declaration: each setting's name, type, default, who it is for, what it
+// accepts and a line on what it does. The parsers, the refusal messages, `layerstream status` and `set`
+// (through _native) and the tables of docs/ai-toolkit.md (checked by tests/python/test_settings.py) all come
+// from it. Two settings are read by Python (LAYERSTREAM by the AI-Toolkit hook, LAYERSTREAM_LOG by the
+// package) and declared here all the same, so that they are checked and listed like the others.
 //
 // The environment is read here and nowhere else in src/ (the launcher's LOCAL_RANK, LOCAL_WORLD_SIZE,
 // TORCHELASTIC_RUN_ID and MASTER_PORT too). It is read when manager_modules is imported and again each time
 // a device state is created (tests change the environment between device states), and each read is
-// validated whole: a value that is negative, too large, not finite or not one of the choices throws
-// InvalidArgument (a Python ValueError) naming the variable and giving a valid example. An empty value is
-// the same as an unset one. A LAYERSTREAM_* name that is no setting (nor read by layerstream's build, tests
-// or scripts) is warned about once, with the setting it is closest to.
+// validated whole: a value that is not accepted throws InvalidArgument (a Python ValueError) with one line
+// naming the variable, the value, what it takes and an example (refusal()). An empty value is the same as
+// an unset one. A LAYERSTREAM_* name that is no setting (nor read by layerstream's build, tests or scripts)
+// is warned about once, with the setting it is closest to.
 //
 // configure() (Python: manager_modules.configure) sets values from Python: they are checked by the same
 // parsers and take precedence over the environment until configured back to None.
@@ -24,15 +30,33 @@
 
 #include "layerstream/device_ring.h"
 
-namespace layerstream::torchglue {
+namespace layerstream {
 
 // LAYERSTREAM_VRAM_BUDGET, parsed: "min" (the default: no plan, the least ring), "auto", or a size such as
-// 24GiB, 24GB, 20000MiB or 2.5e10 (bytes).
+// 24G, 24GB, 24GiB, "24 GiB", 20000MiB (units case-insensitive and binary: GB is 2^30 bytes, as a "24 GB"
+// card is) or 2.5e10 (bytes).
 struct VramBudget {
   bool enabled = false;
   bool automatic = false;
   std::size_t bytes = 0;  // when not automatic
-  static VramBudget parse(const char* text);  // throws InvalidArgument with the accepted forms
+  static std::optional<VramBudget> parse(const std::string& text);  // nullopt: not accepted
+};
+
+// Who a setting is for: the user (the first table of the docs; `layerstream status` always lists it),
+// tuning (listed when set), or layerstream's tests.
+enum class SettingAudience { kUser, kTuning, kTests };
+
+// One setting's declaration. `accepts` is a noun phrase ("a positive whole number of MiB up to ..."),
+// `default_value` the value or behaviour when unset, `doc` one line on what it does.
+struct SettingSpec {
+  const char* name;
+  const char* type;  // switch, choice, size, MiB, count, seconds, token
+  SettingAudience audience;
+  bool native;  // read by Settings (false: by layerstream's Python package or the AI-Toolkit hook)
+  const char* default_value;
+  const char* accepts;
+  const char* example;
+  const char* doc;
 };
 
 constexpr unsigned kMostDecodeBlocks = 1u << 16;  // LAYERSTREAM_DECODE_BLOCKS: the decode kernel's own limit
@@ -73,21 +97,30 @@ struct Settings {
 
   // Every setting's text as given (the environment with configure()'s values over it), by variable name.
   using Text = std::map<std::string, std::string>;
-  static Settings parse(const Text& text);  // throws InvalidArgument (see above)
+  // Throws InvalidArgument (refusal()); `origins` says where each value came from, for the message.
+  static Settings parse(const Text& text, const Text& origins = {});
 
   // The snapshot in force (read at the first call if nothing read it before).
   static std::shared_ptr<const Settings> current();
   // Reads the environment again (warning once about unknown LAYERSTREAM_* names) and replaces the snapshot;
-  // on a bad value throws and keeps the snapshot as it was.
+  // on a bad value throws (its refusal, origin "the environment") and keeps the snapshot as it was.
   static void refresh();
   // Sets values by variable name (nullopt: back to the environment's), validated like the environment's;
-  // on a bad value throws and changes nothing.
+  // on a bad value or a name Settings does not read (table().native false) throws and changes nothing.
   static void configure(const std::map<std::string, std::optional<std::string>>& values);
 
-  // The variables Settings reads, in the docs' order; and the name of the setting nearest to `name`
-  // (empty when none is close), for messages.
+  // Every setting, in the docs' order.
+  static const std::vector<SettingSpec>& table();
+  // The one line refusing `text` for `name` ("NAME=text (origin) is not accepted; it takes ..., e.g. ..."),
+  // or nullopt when the setting accepts it; an unknown name is refused too (not the LAYERSTREAM_* names
+  // layerstream's build, tests and scripts read). `origin` ("" for none) says
+  // where the value came from: ".env line 3", "the environment".
+  static std::optional<std::string> refusal(const std::string& name, const std::string& text,
+                                            const std::string& origin = "");
+  // The variables of the table, in its order; and the name of the setting nearest to `name` (empty when
+  // none is close), for messages.
   static const std::vector<std::string>& names();
   static std::string nearest(const std::string& name);
 };
 
-}  // namespace layerstream::torchglue
+}  // namespace layerstream
