@@ -81,7 +81,9 @@ class RunResult:
     peak_vram_reserved: int | None = None
     s_per_it: float | None = None
     first_step_s: float | None = None
+    last_step_s: float | None = None
     log: str = ""
+    second: RunResult | None = None  # the job run.py ran next in the same process (--second-job)
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -204,12 +206,13 @@ def _wait(proc: subprocess.Popen, interrupt, timeout_s: float) -> tuple[int, int
         time.sleep(0.05)
 
 
-def run_job(checkout: Path, config: Path, env: dict, log_path: Path, python: str = sys.executable,
+def run_job(checkout: Path, configs: list[Path], env: dict, log_path: Path, python: str = sys.executable,
             interrupt=None, timeout_s: float = 3600) -> tuple[int, int, float]:
-    """AI-Toolkit's run.py on the job; its output into ``log_path``. Returns (status, peak RSS, start time)."""
+    """AI-Toolkit's run.py on the jobs (several run one after another in its one process); the output into
+    ``log_path``. Returns (status, peak RSS, start time)."""
     start = time.time()
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([python, "run.py", str(config)], cwd=checkout, env=env, stdout=log,
+        proc = subprocess.Popen([python, "run.py", *map(str, configs)], cwd=checkout, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         code, rss = _wait(proc, interrupt, timeout_s)
     return code, rss, start
@@ -286,9 +289,9 @@ def collect(engine: str, save_root: Path, log_path: Path, stats_file: Path, code
     db = save_root / "loss_log.db"
     if db.is_file():
         with sqlite3.connect(db) as con:
-            first = con.execute("SELECT MIN(wall_time) FROM steps").fetchone()[0]
+            first, last = con.execute("SELECT MIN(wall_time), MAX(wall_time) FROM steps").fetchone()
         if first is not None:
-            result.first_step_s = float(first) - start
+            result.first_step_s, result.last_step_s = float(first) - start, float(last) - start
     return result
 
 
@@ -306,6 +309,10 @@ def differences(a: RunResult, b: RunResult) -> list[str]:
         out.append(f"LoRA files differ: {sorted(k for k in set(a.loras) | set(b.loras) if a.loras.get(k) != b.loras.get(k))}")
     if a.samples != b.samples:
         out.append(f"samples differ: {sorted(k for k in set(a.samples) | set(b.samples) if a.samples.get(k) != b.samples.get(k))}")
+    if (a.second is None) != (b.second is None):
+        out.append("only one run has a second job")
+    elif a.second is not None:
+        out += [f"second job: {d}" for d in differences(a.second, b.second) if not d.startswith("exit status")]
     return out
 
 
@@ -348,20 +355,22 @@ class Workspace:
 
 
 def run_engine(ws: Workspace, opts: JobOptions, engine: str, run_name: str, cap_gb: float | None = None,
-               interrupt_after_save: int | None = None, config_steps: int | None = None) -> RunResult:
+               interrupt_after_save: int | None = None, second_job: bool = False) -> RunResult:
     """One run of the job; ``run_name`` names its training folder, so a second call with the same name resumes
     it (AI-Toolkit continues from the newest save there). ``interrupt_after_save``: SIGINT once the save of that
-    step is on disk (LoRA and optimizer state)."""
+    step is on disk (LoRA and optimizer state). ``second_job``: run.py is given a second job (the same one under
+    another name) that it starts in the same process when the first is done."""
     checkout, model, data = ws.checkout(), ws.model(opts), ws.dataset(opts)
     training = ws.root / "runs" / run_name
     training.mkdir(parents=True, exist_ok=True)
-    name = f"job_{opts.arch}"
-    config = job_config(opts if config_steps is None else JobOptions(**{**asdict(opts), "steps": config_steps}),
-                        name, model, data, training)
-    config_path = training / "job.yaml"
     import yaml
 
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    name = f"job_{opts.arch}"
+    names = [name, f"{name}_second"] if second_job else [name]
+    configs = []
+    for job_name in names:
+        configs.append(training / f"{job_name}.yaml")
+        configs[-1].write_text(yaml.safe_dump(job_config(opts, job_name, model, data, training), sort_keys=False))
     save_root = training / name
     log_path = training / "run.log"
     stats = training / f"stats-{int(time.time() * 1000)}.json"
@@ -379,9 +388,12 @@ def run_engine(ws: Workspace, opts: JobOptions, engine: str, run_name: str, cap_
             return marker >= 0 and "Saved optimizer to" in text[marker:]
 
     hub_cache = seed_hub_cache(ws.root / "hub-cache", model)
-    code, rss, start = run_job(checkout, config_path, job_env(engine, opts, ws.stubs, stats, cap_gb, hub_cache),
+    code, rss, start = run_job(checkout, configs, job_env(engine, opts, ws.stubs, stats, cap_gb, hub_cache),
                                log_path, ws.python, interrupt)
-    return collect(engine, save_root, log_path, stats, code, rss, start)
+    result = collect(engine, save_root, log_path, stats, code, rss, start)
+    if second_job:
+        result.second = collect(engine, training / names[1], log_path, stats, code, rss, start)
+    return result
 
 
 def summary_row(opts: JobOptions, r: RunResult) -> str:
@@ -422,6 +434,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true",
                         help="also: stop each engine's job with SIGINT after its first save, start it again, and "
                              "compare the resumed losses")
+    parser.add_argument("--second-job", action="store_true",
+                        help="give run.py a second job (the same under another name), which it starts in the same "
+                             "process when the first ends; its outcome is compared too")
     parser.add_argument("--stubs", help="a folder put on PYTHONPATH of the jobs (tests/aitk_stubs: stand-ins for "
                                         "AI-Toolkit imports that cannot install here)")
     parser.add_argument("--workdir", help="keep everything here (default: a new temporary folder, removed)")
@@ -431,6 +446,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--aitk-dir (or AI_TOOLKIT_DIR) is required")
     args.arch = args.arch or ["zimage"]
     return args
+
+
+def _json_row(arch: str, r: RunResult, **extra) -> dict:
+    row = {"arch": arch, **extra, **{k: v for k, v in asdict(r).items() if k not in ("log", "second")}}
+    if r.second is not None:
+        row["second_job"] = {k: v for k, v in asdict(r.second).items() if k not in ("log", "second")}
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -448,35 +470,44 @@ def main(argv: list[str] | None = None) -> int:
                           resolution=args.resolution, images=args.images, num_frames=args.num_frames,
                           device=args.device, dtype=args.dtype, rank=args.rank,
                           transformer_percent=args.transformer_percent, te_percent=args.te_percent)
-        runs = {}
+        runs, problems = {}, []
         for engine in engines:
             print(f"== {arch} {engine}", flush=True)
-            runs[engine] = run_engine(ws, opts, engine, f"{arch}-{engine}", cap_gb=args.cap_gb)
-            rows.append(summary_row(opts, runs[engine]))
-            if runs[engine].returncode != 0:
-                print(runs[engine].log[-4000:])
-        problems = [f"{e}: exit status {r.returncode}" for e, r in runs.items() if r.returncode != 0]
+            run = run_engine(ws, opts, engine, f"{arch}-{engine}", cap_gb=args.cap_gb, second_job=args.second_job)
+            runs[engine] = run
+            rows.append(summary_row(opts, run))
+            if run.second is not None:
+                rows.append(summary_row(opts, run.second).replace(f"| {engine} |", f"| {engine}, 2nd job |"))
+                gap = (run.second.first_step_s or 0) - (run.last_step_s or 0)
+                print(f"   {engine}: the second job's first step {gap:.1f} s after the first job's last", flush=True)
+            if run.returncode != 0:
+                print(run.log[-4000:])
+                problems.append(f"{engine}: exit status {run.returncode}")
+            results.append(_json_row(arch, run))
         if "layerstream" in runs and not runs["layerstream"].active:
             problems.append(f"layerstream: the log has no {ACTIVE_LINE!r}")
         if len(runs) == 2:
             problems += differences(*runs.values())
         if args.resume:
+            resumed = {}
             for engine in engines:
                 name = f"{arch}-{engine}-resumed"
                 first = run_engine(ws, opts, engine, name, interrupt_after_save=args.save_every)
-                second = run_engine(ws, opts, engine, name)
+                resumed[engine] = second = run_engine(ws, opts, engine, name)
                 full = runs[engine].losses
-                resumed = {s: v for s, v in second.losses.items() if s > args.save_every}
-                print(f"   {engine} resumed: first run stopped with {first.returncode} at "
-                      f"{sorted(first.losses)[-1:] or 'no step'}, second ran steps {sorted(resumed)}", flush=True)
-                if second.returncode != 0 or sorted(resumed) != [s for s in sorted(full) if s > args.save_every]:
-                    problems.append(f"{engine} resume: status {second.returncode}, steps {sorted(second.losses)}")
-                results.append({"arch": arch, "engine": engine, "resumed_losses": second.losses,
-                                "uninterrupted_losses": full})
+                after = {s: v for s, v in second.losses.items() if s > args.save_every}
+                print(f"   {engine}: stopped with Ctrl-C after the step-{args.save_every} save (exit "
+                      f"{first.returncode}, {'Job stopped' if 'Job stopped' in first.log else 'no Job stopped'}); "
+                      f"started again: exit {second.returncode}, steps {sorted(after)}; the same losses as the "
+                      f"uninterrupted run: {all(full.get(k) == v for k, v in after.items())}", flush=True)
+                if second.returncode != 0 or sorted(after) != [k for k in sorted(full) if k > args.save_every]:
+                    problems.append(f"{engine} resumed: exit status {second.returncode}, steps {sorted(second.losses)}")
+                results.append(_json_row(arch, second, resumed=True))
+            if len(resumed) == 2:
+                problems += [f"resumed: {d}" for d in differences(*resumed.values())]
         for problem in problems:
             print(f"   DIFFERENT {arch}: {problem}", flush=True)
         failed += bool(problems)
-        results += [{"arch": arch, **{k: v for k, v in asdict(r).items() if k != "log"}} for r in runs.values()]
     print("| arch | size | quantize | engine | exit | steps logged | s/it (AI-Toolkit) | start to first step s | "
           "peak VRAM GiB | peak RSS GiB | layerstream active |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
