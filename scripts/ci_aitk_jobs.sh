@@ -5,6 +5,9 @@
 # tests/python/test_aitk_jobs.py in it. Run after scripts/test.sh, from the repository root:
 #   AI_TOOLKIT_DIR=/path/to/ai-toolkit scripts/ci_aitk_jobs.sh
 # Prints "N passed, N failed" last. LAYERSTREAM_AITK_VENV reuses an environment made earlier.
+# CI_AITK_JOBS_K: pytest -k expression of the jobs to run; by default Z-Image and Wan 2.2 (the video model),
+# stock vs layerstream, and the job stopped with Ctrl-C and resumed (within CI's time; "" runs every case:
+# Qwen-Image, qfloat8, uint4, two jobs in one process too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 aitk="${AI_TOOLKIT_DIR%%:*}"
@@ -24,10 +27,11 @@ if [ -z "$venv" ]; then
   rm -rf "$wheels"
 fi
 echo "ci_aitk_jobs: AI-Toolkit environment ready after $(( $(date +%s) - start )) s"
+select="${CI_AITK_JOBS_K-zimage or wan22_14b or stopped or fails or logging}"
 log="$(mktemp)"
 set +e
 (cd /tmp && LAYERSTREAM_AITK_VENV="$venv" AI_TOOLKIT_DIR="$aitk" "$py" -m pytest -q -p no:cacheprovider \
-  "$repo/tests/python/test_aitk_jobs.py" "$repo/tests/python/test_logging_disable.py" ${CI_AITK_JOBS_K:+-k "$CI_AITK_JOBS_K"}) \
+  "$repo/tests/python/test_aitk_jobs.py" "$repo/tests/python/test_logging_disable.py" ${select:+-k "$select"}) \
   2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e

@@ -89,17 +89,28 @@ class RunResult:
 # ---------------------------------------------------------------------------------------------- inputs
 
 
-def make_dataset(folder: Path, count: int, resolution: int, seed: int) -> Path:
-    """Random images with a caption each, half square and half 3:2 (two of AI-Toolkit's buckets)."""
+def make_dataset(folder: Path, count: int, resolution: int, seed: int, frames: int = 1) -> Path:
+    """Random images (``frames`` 1) or short clips (MPEG-4 at 16 fps, written with OpenCV, which AI-Toolkit
+    reads them with) with a caption each, half square and half 3:2 (two of AI-Toolkit's buckets)."""
     import numpy as np
-    from PIL import Image
 
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(count):
         w, h = (resolution, resolution) if i % 2 == 0 else (resolution * 3 // 2, resolution)
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
-        (folder / f"img{i}.txt").write_text(f"a photo of random noise number {i}")
+        if frames == 1:
+            from PIL import Image
+
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / f"item{i}.png")
+        else:
+            import cv2
+
+            writer = cv2.VideoWriter(str(folder / f"item{i}.mp4"), cv2.VideoWriter_fourcc(*"mp4v"), 16, (w, h))
+            base = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+            for f in range(frames):  # a drifting pattern, so consecutive frames differ
+                writer.write(np.roll(base, 2 * f, axis=1))
+            writer.release()
+        (folder / f"item{i}.txt").write_text(f"random noise number {i}")
     return folder
 
 
@@ -342,9 +353,9 @@ class Workspace:
         return folder
 
     def dataset(self, opts: JobOptions) -> Path:
-        folder = self.root / "data" / f"{opts.resolution}-{opts.images}"
+        folder = self.root / "data" / f"{opts.resolution}-{opts.images}-{opts.num_frames}"
         if not folder.is_dir():
-            make_dataset(folder, opts.images, opts.resolution, seed=0)
+            make_dataset(folder, opts.images, opts.resolution, seed=0, frames=opts.num_frames)
         return folder
 
     def checkout(self) -> Path:
@@ -426,7 +437,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sample-steps", type=int, default=2)
     parser.add_argument("--resolution", type=int, default=64)
     parser.add_argument("--images", type=int, default=4)
-    parser.add_argument("--num-frames", type=int, default=1, help="frames per sample (video models)")
+    parser.add_argument("--num-frames", type=int, default=1,
+                        help="frames of each training clip and sample (video models; 1: images). AI-Toolkit wants "
+                             "4k+1 frames for Wan (e.g. 5, 9, 41)")
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--transformer-percent", type=float, default=1.0)
     parser.add_argument("--te-percent", type=float, default=1.0)
