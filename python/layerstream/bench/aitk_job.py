@@ -180,7 +180,7 @@ def prepare_checkout(source: Path, dest: Path, python: str = sys.executable) -> 
 
 
 def job_env(engine: str, opts: JobOptions, stubs: Path | None, stats_file: Path, cap_gb: float | None,
-            hub_cache: Path) -> dict:
+            hub_cache: Path, deterministic: bool = False) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AITK_JOB_")}
     paths = [str(SITE_DIR)] + ([str(stubs)] if stubs else []) + [p for p in [env.get("PYTHONPATH")] if p]
     # Offline, with a hub cache that holds only what the model folder serves for fixed repo ids (aitk_models).
@@ -191,6 +191,8 @@ def job_env(engine: str, opts: JobOptions, stubs: Path | None, stats_file: Path,
         env.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")  # torchao's kernels need CUDA libraries
     if cap_gb:
         env["AITK_JOB_CAP_GB"] = str(cap_gb)
+    if deterministic:
+        env.update(AITK_JOB_DETERMINISTIC="1", CUBLAS_WORKSPACE_CONFIG=":4096:8")
     if engine == "stock":
         env["LAYERSTREAM"] = "0"
     else:
@@ -366,7 +368,8 @@ class Workspace:
 
 
 def run_engine(ws: Workspace, opts: JobOptions, engine: str, run_name: str, cap_gb: float | None = None,
-               interrupt_after_save: int | None = None, second_job: bool = False) -> RunResult:
+               interrupt_after_save: int | None = None, second_job: bool = False,
+               deterministic: bool = False) -> RunResult:
     """One run of the job; ``run_name`` names its training folder, so a second call with the same name resumes
     it (AI-Toolkit continues from the newest save there). ``interrupt_after_save``: SIGINT once the save of that
     step is on disk (LoRA and optimizer state). ``second_job``: run.py is given a second job (the same one under
@@ -399,8 +402,8 @@ def run_engine(ws: Workspace, opts: JobOptions, engine: str, run_name: str, cap_
             return marker >= 0 and "Saved optimizer to" in text[marker:]
 
     hub_cache = seed_hub_cache(ws.root / "hub-cache", model)
-    code, rss, start = run_job(checkout, configs, job_env(engine, opts, ws.stubs, stats, cap_gb, hub_cache),
-                               log_path, ws.python, interrupt)
+    env = job_env(engine, opts, ws.stubs, stats, cap_gb, hub_cache, deterministic)
+    code, rss, start = run_job(checkout, configs, env, log_path, ws.python, interrupt)
     result = collect(engine, save_root, log_path, stats, code, rss, start)
     if second_job:
         result.second = collect(engine, training / names[1], log_path, stats, code, rss, start)
@@ -447,6 +450,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true",
                         help="also: stop each engine's job with SIGINT after its first save, start it again, and "
                              "compare the resumed losses")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="GPU: torch.use_deterministic_algorithms(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8 in the "
+                             "jobs, so that stock and layerstream can be compared bitwise")
+    parser.add_argument("--run-tag", default="",
+                        help="appended to each run's folder name: a new run in a --workdir that already has one (the "
+                             "same name would resume it), e.g. auto for a LAYERSTREAM_VRAM_BUDGET=auto row")
     parser.add_argument("--second-job", action="store_true",
                         help="give run.py a second job (the same under another name), which it starts in the same "
                              "process when the first ends; its outcome is compared too")
@@ -473,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     engines = args.engines.split(",")
+    tag = f"-{args.run_tag}" if args.run_tag else ""
     root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="aitk_job_"))
     ws = Workspace(root=root, source=Path(args.aitk_dir), stubs=Path(args.stubs).resolve() if args.stubs else None)
     failed, rows, results = 0, [], []
@@ -486,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         runs, problems = {}, []
         for engine in engines:
             print(f"== {arch} {engine}", flush=True)
-            run = run_engine(ws, opts, engine, f"{arch}-{engine}", cap_gb=args.cap_gb, second_job=args.second_job)
+            run = run_engine(ws, opts, engine, f"{arch}-{engine}{tag}", cap_gb=args.cap_gb,
+                             second_job=args.second_job, deterministic=args.deterministic)
             runs[engine] = run
             rows.append(summary_row(opts, run))
             if run.second is not None:
@@ -504,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             resumed = {}
             for engine in engines:
-                name = f"{arch}-{engine}-resumed"
+                name = f"{arch}-{engine}{tag}-resumed"
                 first = run_engine(ws, opts, engine, name, interrupt_after_save=args.save_every)
                 resumed[engine] = second = run_engine(ws, opts, engine, name)
                 full = runs[engine].losses

@@ -4,7 +4,8 @@ PYTHONPATH; AI-Toolkit's files stay as they are. It does two things a job cannot
   AITK_JOB_CAP_GB     caps the process's VRAM (torch.cuda.set_per_process_memory_fraction) from the moment
                              the first optimizer is made: after the model is loaded and placed, before the first
                              sample and step, as a card of that size would have it during training;
-  AITK_JOB_STATS      a JSON file written at exit: peak VRAM allocated and reserved (where CUDA was used).
+  AITK_JOB_STATS      a JSON file written at exit: peak VRAM allocated and reserved (where CUDA was used);
+  AITK_JOB_DETERMINISTIC=1   torch.use_deterministic_algorithms(True), for bitwise comparisons on a GPU.
 
 A sitecustomize found earlier on sys.path (a venv's own) is not replaced: this one runs it first."""
 
@@ -66,5 +67,9 @@ def _write_stats(path: str) -> None:
 _chain_next_sitecustomize()
 if os.environ.get("AITK_JOB_CAP_GB"):
     _cap_at_first_optimizer(float(os.environ["AITK_JOB_CAP_GB"]) * 2**30)
+if os.environ.get("AITK_JOB_DETERMINISTIC") == "1":
+    import torch
+
+    torch.use_deterministic_algorithms(True)
 if os.environ.get("AITK_JOB_STATS"):
     atexit.register(_write_stats, os.environ["AITK_JOB_STATS"])
