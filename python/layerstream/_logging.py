@@ -1,6 +1,11 @@
 """Routes the native core's log messages into Python's ``logging`` (logger ``layerstream``), and makes them
 visible in applications that configure no logging (AI-Toolkit): ``LAYERSTREAM_LOG=info`` (default) or
-``warning`` prints them on stderr while no handler of the application would; ``off`` adds nothing."""
+``warning`` prints them on stderr while no handler of the application would; ``off`` adds nothing.
+
+``logging.disable`` does not silence them: AI-Toolkit's captioner extensions call ``logging.disable(logging.WARNING)``
+when ``run.py`` imports them, which would hide "layerstream manager_modules active", the VRAM plan and the
+summaries from every job's log. Their level is layerstream's own (``LAYERSTREAM_LOG``, or a level the application
+set on the ``layerstream`` logger); every other logger of the process stays as the application left it."""
 
 from __future__ import annotations
 
@@ -8,8 +13,22 @@ import logging
 import os
 import sys
 
-logger = logging.getLogger("layerstream")
 LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "debug": logging.DEBUG, "off": None}
+
+
+class OwnLevelLogger(logging.Logger):
+    """The ``layerstream`` logger: enabled by its own level alone, whatever ``logging.disable`` says (see the
+    module's note), so every route into it (the native core's sink, the torch glue's, Python code) is covered.
+    With ``LAYERSTREAM_LOG=off`` it is an ordinary logger."""
+
+    def isEnabledFor(self, level: int) -> bool:
+        if log_level_setting() is None:
+            return super().isEnabledFor(level)
+        return not self.disabled and level >= self.getEffectiveLevel()
+
+
+logger = logging.getLogger("layerstream")
+logger.__class__ = OwnLevelLogger  # the instance other modules already hold, if any
 
 
 def _sink(level: int, message: str) -> None:

@@ -27,6 +27,7 @@ Examples (`layerstream bench` and `python benchmarks/flux_bench.py` are the same
   layerstream bench --preset qwen-image --mode stock,layerstream --stock-sweep 0.25,0.5,0.75,1.0 \
       --vram-cap-gb 24 --aitk-dir /path/to/ai-toolkit       # stock at its best offload_percent under 24 GiB
   layerstream bench --preset small --mode resident          # CPU smoke test
+  layerstream bench aitk-job --help                         # AI-Toolkit's run.py on a YAML job (aitk_job.py)
 """
 
 from __future__ import annotations
@@ -178,6 +179,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["aitk-job"]:  # AI-Toolkit's own trainer on a YAML job: aitk_job.py
+        from .aitk_job import main as aitk_job_main
+
+        return aitk_job_main(argv[1:])
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
     weight_bytes = preset_weight_bytes(args.preset)

@@ -1,0 +1,544 @@
+"""`layerstream bench aitk-job`: AI-Toolkit's own trainer, its unchanged `run.py`, on a real YAML job, once
+with its stock manager (LAYERSTREAM=0) and once with layerstream, and what the two runs left compared.
+
+The job is what a user writes (modelled on AI-Toolkit's config/examples): a LoRA on a model class that offloads
+(`model.arch`: zimage, qwen_image, wan22_14b), `layer_offloading: true` with transformer and text-encoder
+percents, gradient checkpointing, a sample every few steps, a save every few steps, a fixed seed, optionally
+`quantize` (qfloat8, which AI-Toolkit turns into torchao float8 under offloading, or an OstrisLinear qtype such
+as uint4). The model is built here with random weights in diffusers' layout (aitk_models.py), the dataset is
+random images with captions in two resolution buckets. Each run works on its own writable copy of the
+AI-Toolkit checkout, into which layerstream is installed as README's "Use it in AI-Toolkit" says
+(`layerstream install /path/to/ai-toolkit`); LAYERSTREAM=0 runs the stock code of the same copy.
+
+Compared, stock against layerstream: exit status; the loss of every step (AI-Toolkit's own loss log,
+`logging.use_ui_logger`, full precision); the saved LoRA files (bytes); the sample images (pixels); that the
+log shows layerstream active. Reported: AI-Toolkit's s/it, time from start to the first step, peak host RSS and,
+on a GPU, peak VRAM. `--resume` stops the job after a save with Ctrl-C (SIGINT) and starts it again.
+
+Run it in AI-Toolkit's Python (the venv that has AI-Toolkit's requirements and layerstream):
+  layerstream bench aitk-job --aitk-dir /path/to/ai-toolkit --arch zimage                  # CPU, tiny
+  layerstream bench aitk-job --aitk-dir /path/to/ai-toolkit --arch wan22_14b --size full \\
+      --device cuda --cap-gb 24 --steps 10 --resolution 512                               # GPU, real shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .aitk_models import ARCHES, SIZES, seed_hub_cache
+
+SITE_DIR = Path(__file__).resolve().parent / "aitk_site"
+ACTIVE_LINE = "layerstream manager_modules active on"
+QUANTIZE = ("none", "qfloat8", "uint4")
+PROMPTS = ["a red cube on a wooden table", "a lighthouse at night, long exposure"]
+
+
+@dataclass
+class JobOptions:
+    arch: str
+    size: str = "tiny"
+    te_size: str = "tiny"
+    layers: int | None = None
+    quantize: str = "none"
+    steps: int = 6
+    save_every: int = 2
+    sample_every: int = 3
+    sample_steps: int = 2
+    resolution: int = 64
+    images: int = 4
+    num_frames: int = 1
+    device: str = "cpu"
+    dtype: str = "bf16"
+    rank: int = 4
+    seed: int = 42
+    transformer_percent: float = 1.0
+    te_percent: float = 1.0
+
+
+@dataclass
+class RunResult:
+    engine: str
+    returncode: int
+    wall_s: float
+    losses: dict = field(default_factory=dict)     # step -> loss
+    loras: dict = field(default_factory=dict)      # file name -> sha256 of its bytes
+    samples: dict = field(default_factory=dict)    # step/index -> sha256 of its pixels
+    active: bool = False
+    peak_rss_bytes: int = 0
+    peak_vram_allocated: int | None = None
+    peak_vram_reserved: int | None = None
+    s_per_it: float | None = None
+    first_step_s: float | None = None
+    last_step_s: float | None = None
+    log: str = ""
+    second: RunResult | None = None  # the job run.py ran next in the same process (--second-job)
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+def make_dataset(folder: Path, count: int, resolution: int, seed: int, frames: int = 1) -> Path:
+    """Random images (``frames`` 1) or short clips (MPEG-4 at 16 fps, written with OpenCV, which AI-Toolkit
+    reads them with) with a caption each, half square and half 3:2 (two of AI-Toolkit's buckets)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        w, h = (resolution, resolution) if i % 2 == 0 else (resolution * 3 // 2, resolution)
+        if frames == 1:
+            from PIL import Image
+
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / f"item{i}.png")
+        else:
+            import cv2
+
+            writer = cv2.VideoWriter(str(folder / f"item{i}.mp4"), cv2.VideoWriter_fourcc(*"mp4v"), 16, (w, h))
+            base = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+            for f in range(frames):  # a drifting pattern, so consecutive frames differ
+                writer.write(np.roll(base, 2 * f, axis=1))
+            writer.release()
+        (folder / f"item{i}.txt").write_text(f"random noise number {i}")
+    return folder
+
+
+def job_config(opts: JobOptions, name: str, model_dir: Path, data_dir: Path, training_folder: Path) -> dict:
+    """The job, as config/examples writes one (train_lora_*_24gb.yaml), sized by ``opts``."""
+    model = {
+        "name_or_path": str(model_dir), "arch": opts.arch, "quantize": opts.quantize != "none",
+        "layer_offloading": True, "layer_offloading_transformer_percent": opts.transformer_percent,
+        "layer_offloading_text_encoder_percent": opts.te_percent,
+    }
+    if opts.quantize != "none":
+        model.update(qtype=opts.quantize, quantize_te=False)
+    if opts.arch == "wan22_14b":
+        model["model_kwargs"] = {"train_high_noise": True, "train_low_noise": True}
+    train = {
+        "batch_size": 1, "steps": opts.steps, "gradient_accumulation": 1, "train_unet": True,
+        "train_text_encoder": False, "gradient_checkpointing": True, "noise_scheduler": "flowmatch",
+        "optimizer": "adamw", "lr": 1e-4, "dtype": opts.dtype, "timestep_type": "linear",
+    }
+    if opts.arch == "wan22_14b":
+        train["switch_boundary_every"] = 1  # both experts train within a few steps
+    return {
+        "job": "extension",
+        "config": {
+            "name": name,
+            "process": [{
+                "type": "sd_trainer",
+                "training_folder": str(training_folder),
+                "device": opts.device,
+                "network": {"type": "lora", "linear": opts.rank, "linear_alpha": opts.rank},
+                "save": {"dtype": "float16", "save_every": opts.save_every, "max_step_saves_to_keep": 100},
+                "datasets": [{
+                    "folder_path": str(data_dir), "caption_ext": "txt", "caption_dropout_rate": 0.0,
+                    "resolution": [opts.resolution], "num_frames": opts.num_frames, "num_workers": 0,
+                }],
+                "train": train,
+                "model": model,
+                "sample": {
+                    "sampler": "flowmatch", "sample_every": opts.sample_every, "width": opts.resolution,
+                    "height": opts.resolution, "num_frames": opts.num_frames, "fps": 16, "prompts": PROMPTS,
+                    "neg": "", "seed": opts.seed, "walk_seed": True, "guidance_scale": 4.0,
+                    "sample_steps": opts.sample_steps, "format": "png" if opts.num_frames == 1 else "webp",
+                },
+                "logging": {"log_every": 1, "use_ui_logger": True},
+            }],
+        },
+        "meta": {"name": "[name]", "version": "1.0"},
+    }
+
+
+def prepare_checkout(source: Path, dest: Path, python: str = sys.executable) -> Path:
+    """A writable copy of the AI-Toolkit checkout with layerstream installed by README's command, run by the
+    Python of AI-Toolkit's venv (``python``)."""
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__", ".git", "output", "venv"))
+    for folder, _, files in os.walk(dest):  # the snapshot may be read-only (CI's copy of shared/)
+        os.chmod(folder, 0o755)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o644)
+    result = subprocess.run([python, "-m", "layerstream", "install", str(dest)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"layerstream install {dest} failed:\n{result.stdout}{result.stderr}")
+    return dest
+
+
+# ---------------------------------------------------------------------------------------------- one run
+
+
+def job_env(engine: str, opts: JobOptions, stubs: Path | None, stats_file: Path, cap_gb: float | None,
+            hub_cache: Path, deterministic: bool = False) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AITK_JOB_")}
+    paths = [str(SITE_DIR)] + ([str(stubs)] if stubs else []) + [p for p in [env.get("PYTHONPATH")] if p]
+    # Offline, with a hub cache that holds only what the model folder serves for fixed repo ids (aitk_models).
+    env.update(PYTHONPATH=os.pathsep.join(paths), SEED=str(opts.seed), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", HF_HUB_CACHE=str(hub_cache), AITK_JOB_STATS=str(stats_file),
+               PYTHONUNBUFFERED="1")
+    if opts.device == "cpu":
+        env.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")  # torchao's kernels need CUDA libraries
+    if cap_gb:
+        env["AITK_JOB_CAP_GB"] = str(cap_gb)
+    if deterministic:
+        env.update(AITK_JOB_DETERMINISTIC="1", CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    if engine == "stock":
+        env["LAYERSTREAM"] = "0"
+    else:
+        env.pop("LAYERSTREAM", None)
+        if opts.device == "cpu":
+            env.setdefault("LAYERSTREAM_BACKEND", "sim")  # the simulator stands in for the GPU's copies
+    return env
+
+
+def _wait(proc: subprocess.Popen, interrupt, timeout_s: float) -> tuple[int, int]:
+    """Waits for the job, sending SIGINT once ``interrupt()`` is true; returns (exit status, peak RSS bytes)."""
+    deadline = time.monotonic() + timeout_s
+    sent = False
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode, usage.ru_maxrss * 1024
+        if not sent and interrupt is not None and interrupt():
+            proc.send_signal(signal.SIGINT)
+            sent = True
+        if time.monotonic() > deadline:
+            proc.kill()
+        time.sleep(0.05)
+
+
+def run_job(checkout: Path, configs: list[Path], env: dict, log_path: Path, python: str = sys.executable,
+            interrupt=None, timeout_s: float = 3600) -> tuple[int, int, float]:
+    """AI-Toolkit's run.py on the jobs (several run one after another in its one process); the output into
+    ``log_path``. Returns (status, peak RSS, start time)."""
+    start = time.time()
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([python, "run.py", *map(str, configs)], cwd=checkout, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        code, rss = _wait(proc, interrupt, timeout_s)
+    return code, rss, start
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+
+
+def read_losses(save_root: Path) -> dict[int, float]:
+    """Every step's loss from AI-Toolkit's own loss log (loss_log.db, as the UI reads it)."""
+    db = save_root / "loss_log.db"
+    if not db.is_file():
+        return {}
+    with sqlite3.connect(db) as con:
+        rows = con.execute("SELECT step, value_real FROM metrics WHERE key = 'loss/loss' ORDER BY step").fetchall()
+    return {int(step): float(value) for step, value in rows}
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def safetensors_digest(path: Path) -> str:
+    """sha256 of a safetensors file's data section, byte for byte, and of its header with the keys sorted:
+    safetensors writes the ``__metadata__`` map in an order that changes from process to process (two stock runs
+    of one job give different file bytes), while every tensor's bytes, offsets and every metadata value are
+    the run's outcome."""
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    return _sha256(json.dumps(header, sort_keys=True).encode() + data[8 + size:])
+
+
+def read_loras(save_root: Path) -> dict[str, str]:
+    return {p.name: safetensors_digest(p) for p in sorted(save_root.glob("*.safetensors"))}
+
+
+def read_samples(save_root: Path) -> dict[str, str]:
+    """Each sample's pixels, keyed by step and index (the file names also carry a time stamp)."""
+    from PIL import Image, ImageSequence
+
+    out = {}
+    for path in sorted((save_root / "samples").glob("*")):
+        match = re.search(r"__(\d+)_(\d+)\.\w+$", path.name)
+        if not match:
+            continue
+        with Image.open(path) as image:
+            pixels = b"".join(frame.convert("RGB").tobytes() for frame in ImageSequence.Iterator(image))
+        out[f"step{int(match.group(1))}_{match.group(2)}"] = _sha256(pixels)
+    return out
+
+
+def parse_log(text: str) -> tuple[float | None, bool]:
+    """AI-Toolkit's own last reported seconds per iteration (its tqdm bar) and whether layerstream was active."""
+    rates = re.findall(r"(\d+(?:\.\d+)?)(s/it|it/s)\]", text)
+    s_per_it = None
+    if rates:
+        value, unit = rates[-1]
+        s_per_it = float(value) if unit == "s/it" else 1.0 / float(value)
+    return s_per_it, ACTIVE_LINE in text
+
+
+def collect(engine: str, save_root: Path, log_path: Path, stats_file: Path, code: int, rss: int,
+            start: float) -> RunResult:
+    log = log_path.read_text(errors="replace")
+    s_per_it, active = parse_log(log)
+    result = RunResult(engine=engine, returncode=code, wall_s=time.time() - start, losses=read_losses(save_root),
+                       loras=read_loras(save_root), samples=read_samples(save_root), active=active,
+                       peak_rss_bytes=rss, s_per_it=s_per_it, log=log)
+    if stats_file.is_file():
+        stats = json.loads(stats_file.read_text() or "{}")
+        result.peak_vram_allocated = stats.get("peak_vram_allocated")
+        result.peak_vram_reserved = stats.get("peak_vram_reserved")
+    db = save_root / "loss_log.db"
+    if db.is_file():
+        with sqlite3.connect(db) as con:
+            first, last = con.execute("SELECT MIN(wall_time), MAX(wall_time) FROM steps").fetchone()
+        if first is not None:
+            result.first_step_s, result.last_step_s = float(first) - start, float(last) - start
+    return result
+
+
+def differences(a: RunResult, b: RunResult) -> list[str]:
+    """What differs between two runs' outcomes (empty when the exit status, every loss, every LoRA file and
+    every sample are the same)."""
+    out = []
+    if a.returncode != b.returncode:
+        out.append(f"exit status {a.engine} {a.returncode} != {b.engine} {b.returncode}")
+    if a.losses != b.losses:
+        steps = sorted(set(a.losses) | set(b.losses))
+        bad = [s for s in steps if a.losses.get(s) != b.losses.get(s)]
+        out.append(f"losses differ at steps {bad[:8]} (first: {a.losses.get(bad[0])} vs {b.losses.get(bad[0])})")
+    if a.loras != b.loras:
+        out.append(f"LoRA files differ: {sorted(k for k in set(a.loras) | set(b.loras) if a.loras.get(k) != b.loras.get(k))}")
+    if a.samples != b.samples:
+        out.append(f"samples differ: {sorted(k for k in set(a.samples) | set(b.samples) if a.samples.get(k) != b.samples.get(k))}")
+    if (a.second is None) != (b.second is None):
+        out.append("only one run has a second job")
+    elif a.second is not None:
+        out += [f"second job: {d}" for d in differences(a.second, b.second) if not d.startswith("exit status")]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- a whole job
+
+
+@dataclass
+class Workspace:
+    """Everything one comparison writes: the model, the dataset, one checkout and training folder per run."""
+    root: Path
+    source: Path
+    stubs: Path | None = None
+    python: str = sys.executable  # AI-Toolkit's venv, with layerstream installed
+
+    def model(self, opts: JobOptions) -> Path:
+        key = f"{opts.arch}-{opts.size}-{opts.te_size}-{opts.layers}"
+        folder = self.root / "models" / key
+        if not (folder / "layerstream_model.json").is_file():  # built by AI-Toolkit's diffusers/transformers
+            code = ("import sys; from layerstream.bench.aitk_models import build_model; "
+                    "build_model(sys.argv[1], sys.argv[2], size=sys.argv[3], te_size=sys.argv[4], "
+                    "layers=None if sys.argv[5] == 'None' else int(sys.argv[5]), seed=0)")
+            env = dict(os.environ)
+            if self.stubs:  # transformers imports torchvision, which needs the stand-in where it cannot load
+                env["PYTHONPATH"] = os.pathsep.join([str(self.stubs)] + [p for p in [env.get("PYTHONPATH")] if p])
+            subprocess.run([self.python, "-c", code, opts.arch, str(folder), opts.size, opts.te_size,
+                            str(opts.layers)], check=True, env=env)
+        return folder
+
+    def dataset(self, opts: JobOptions) -> Path:
+        folder = self.root / "data" / f"{opts.resolution}-{opts.images}-{opts.num_frames}"
+        if not folder.is_dir():
+            make_dataset(folder, opts.images, opts.resolution, seed=0, frames=opts.num_frames)
+        return folder
+
+    def checkout(self) -> Path:
+        folder = self.root / "ai-toolkit"
+        if not folder.is_dir():
+            prepare_checkout(self.source, folder, self.python)
+        return folder
+
+
+def run_engine(ws: Workspace, opts: JobOptions, engine: str, run_name: str, cap_gb: float | None = None,
+               interrupt_after_save: int | None = None, second_job: bool = False,
+               deterministic: bool = False) -> RunResult:
+    """One run of the job; ``run_name`` names its training folder, so a second call with the same name resumes
+    it (AI-Toolkit continues from the newest save there). ``interrupt_after_save``: SIGINT once the save of that
+    step is on disk (LoRA and optimizer state). ``second_job``: run.py is given a second job (the same one under
+    another name) that it starts in the same process when the first is done."""
+    checkout, model, data = ws.checkout(), ws.model(opts), ws.dataset(opts)
+    training = ws.root / "runs" / run_name
+    training.mkdir(parents=True, exist_ok=True)
+    import yaml
+
+    name = f"job_{opts.arch}"
+    names = [name, f"{name}_second"] if second_job else [name]
+    configs = []
+    for job_name in names:
+        configs.append(training / f"{job_name}.yaml")
+        configs[-1].write_text(yaml.safe_dump(job_config(opts, job_name, model, data, training), sort_keys=False))
+    save_root = training / name
+    log_path = training / "run.log"
+    stats = training / f"stats-{int(time.time() * 1000)}.json"
+
+    interrupt = None
+    if interrupt_after_save is not None:
+        lora = save_root / f"{name}_{interrupt_after_save:09d}.safetensors"
+        optimizer = save_root / "optimizer.pt"
+
+        def interrupt() -> bool:
+            if not lora.is_file() or not optimizer.is_file():
+                return False
+            text = log_path.read_text(errors="replace")
+            marker = text.rfind(f"Saving at step {interrupt_after_save}")
+            return marker >= 0 and "Saved optimizer to" in text[marker:]
+
+    hub_cache = seed_hub_cache(ws.root / "hub-cache", model)
+    env = job_env(engine, opts, ws.stubs, stats, cap_gb, hub_cache, deterministic)
+    code, rss, start = run_job(checkout, configs, env, log_path, ws.python, interrupt)
+    result = collect(engine, save_root, log_path, stats, code, rss, start)
+    if second_job:
+        result.second = collect(engine, training / names[1], log_path, stats, code, rss, start)
+    return result
+
+
+def summary_row(opts: JobOptions, r: RunResult) -> str:
+    gib = 2 ** 30
+    vram = "" if r.peak_vram_allocated is None else f"{r.peak_vram_allocated / gib:.2f}"
+    fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+    return (f"| {opts.arch} | {opts.size} | {opts.quantize} | {r.engine} | {r.returncode} | {len(r.losses)} | "
+            f"{fmt(r.s_per_it, '.3f')} | {fmt(r.first_step_s, '.1f')} | {vram} | {r.peak_rss_bytes / gib:.2f} | "
+            f"{'yes' if r.active else 'no'} |")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="layerstream bench aitk-job", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--aitk-dir", default=(os.environ.get("AI_TOOLKIT_DIR") or "").split(os.pathsep)[0] or None,
+                        help="AI-Toolkit checkout to copy (default: the first of $AI_TOOLKIT_DIR)")
+    parser.add_argument("--arch", choices=ARCHES, action="append",
+                        help="model class (repeat for several; default zimage)")
+    parser.add_argument("--size", choices=SIZES, default="tiny", help="transformer shapes: tiny or the real model's")
+    parser.add_argument("--te-size", choices=SIZES, default="tiny", help="text encoder shapes")
+    parser.add_argument("--layers", type=int, help="transformer blocks (default: the size's)")
+    parser.add_argument("--quantize", choices=QUANTIZE, default="none",
+                        help="model.quantize with this qtype (qfloat8 becomes torchao float8 under offloading)")
+    parser.add_argument("--engines", default="stock,layerstream", help="comma-separated: stock, layerstream")
+    parser.add_argument("--device", default="cpu", help="the job's device (cpu, cuda)")
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--save-every", type=int, default=2)
+    parser.add_argument("--sample-every", type=int, default=3)
+    parser.add_argument("--sample-steps", type=int, default=2)
+    parser.add_argument("--resolution", type=int, default=64)
+    parser.add_argument("--images", type=int, default=4)
+    parser.add_argument("--num-frames", type=int, default=1,
+                        help="frames of each training clip and sample (video models; 1: images). AI-Toolkit wants "
+                             "4k+1 frames for Wan (e.g. 5, 9, 41)")
+    parser.add_argument("--rank", type=int, default=4)
+    parser.add_argument("--transformer-percent", type=float, default=1.0)
+    parser.add_argument("--te-percent", type=float, default=1.0)
+    parser.add_argument("--cap-gb", type=float, help="GPU: cap the job's VRAM at this many GiB once training starts")
+    parser.add_argument("--resume", action="store_true",
+                        help="also: stop each engine's job with SIGINT after its first save, start it again, and "
+                             "compare the resumed losses")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="GPU: torch.use_deterministic_algorithms(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8 in the "
+                             "jobs, so that stock and layerstream can be compared bitwise")
+    parser.add_argument("--run-tag", default="",
+                        help="appended to each run's folder name: a new run in a --workdir that already has one (the "
+                             "same name would resume it), e.g. auto for a LAYERSTREAM_VRAM_BUDGET=auto row")
+    parser.add_argument("--second-job", action="store_true",
+                        help="give run.py a second job (the same under another name), which it starts in the same "
+                             "process when the first ends; its outcome is compared too")
+    parser.add_argument("--stubs", help="a folder put on PYTHONPATH of the jobs (tests/aitk_stubs: stand-ins for "
+                                        "AI-Toolkit imports that cannot install here)")
+    parser.add_argument("--workdir", help="keep everything here (default: a new temporary folder, removed)")
+    parser.add_argument("--json-out")
+    args = parser.parse_args(argv)
+    if not args.aitk_dir:
+        parser.error("--aitk-dir (or AI_TOOLKIT_DIR) is required")
+    args.arch = args.arch or ["zimage"]
+    return args
+
+
+def _json_row(arch: str, r: RunResult, **extra) -> dict:
+    row = {"arch": arch, **extra, **{k: v for k, v in asdict(r).items() if k not in ("log", "second")}}
+    if r.second is not None:
+        row["second_job"] = {k: v for k, v in asdict(r.second).items() if k not in ("log", "second")}
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tempfile
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    engines = args.engines.split(",")
+    tag = f"-{args.run_tag}" if args.run_tag else ""
+    root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="aitk_job_"))
+    ws = Workspace(root=root, source=Path(args.aitk_dir), stubs=Path(args.stubs).resolve() if args.stubs else None)
+    failed, rows, results = 0, [], []
+    for arch in args.arch:
+        opts = JobOptions(arch=arch, size=args.size, te_size=args.te_size, layers=args.layers,
+                          quantize=args.quantize, steps=args.steps, save_every=args.save_every,
+                          sample_every=args.sample_every, sample_steps=args.sample_steps,
+                          resolution=args.resolution, images=args.images, num_frames=args.num_frames,
+                          device=args.device, dtype=args.dtype, rank=args.rank,
+                          transformer_percent=args.transformer_percent, te_percent=args.te_percent)
+        runs, problems = {}, []
+        for engine in engines:
+            print(f"== {arch} {engine}", flush=True)
+            run = run_engine(ws, opts, engine, f"{arch}-{engine}{tag}", cap_gb=args.cap_gb,
+                             second_job=args.second_job, deterministic=args.deterministic)
+            runs[engine] = run
+            rows.append(summary_row(opts, run))
+            if run.second is not None:
+                rows.append(summary_row(opts, run.second).replace(f"| {engine} |", f"| {engine}, 2nd job |"))
+                gap = (run.second.first_step_s or 0) - (run.last_step_s or 0)
+                print(f"   {engine}: the second job's first step {gap:.1f} s after the first job's last", flush=True)
+            if run.returncode != 0:
+                print(run.log[-4000:])
+                problems.append(f"{engine}: exit status {run.returncode}")
+            results.append(_json_row(arch, run))
+        if "layerstream" in runs and not runs["layerstream"].active:
+            problems.append(f"layerstream: the log has no {ACTIVE_LINE!r}")
+        if len(runs) == 2:
+            problems += differences(*runs.values())
+        if args.resume:
+            resumed = {}
+            for engine in engines:
+                name = f"{arch}-{engine}{tag}-resumed"
+                first = run_engine(ws, opts, engine, name, interrupt_after_save=args.save_every)
+                resumed[engine] = second = run_engine(ws, opts, engine, name)
+                full = runs[engine].losses
+                after = {s: v for s, v in second.losses.items() if s > args.save_every}
+                print(f"   {engine}: stopped with Ctrl-C after the step-{args.save_every} save (exit "
+                      f"{first.returncode}, {'Job stopped' if 'Job stopped' in first.log else 'no Job stopped'}); "
+                      f"started again: exit {second.returncode}, steps {sorted(after)}; the same losses as the "
+                      f"uninterrupted run: {all(full.get(k) == v for k, v in after.items())}", flush=True)
+                if second.returncode != 0 or sorted(after) != [k for k in sorted(full) if k > args.save_every]:
+                    problems.append(f"{engine} resumed: exit status {second.returncode}, steps {sorted(second.losses)}")
+                results.append(_json_row(arch, second, resumed=True))
+            if len(resumed) == 2:
+                problems += [f"resumed: {d}" for d in differences(*resumed.values())]
+        for problem in problems:
+            print(f"   DIFFERENT {arch}: {problem}", flush=True)
+        failed += bool(problems)
+    print("| arch | size | quantize | engine | exit | steps logged | s/it (AI-Toolkit) | start to first step s | "
+          "peak VRAM GiB | peak RSS GiB | layerstream active |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"args": vars(args), "results": results}, default=str) + "\n")
+    if not args.workdir:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"{len(args.arch) - failed} passed, {failed} failed")
+    return 1 if failed else 0

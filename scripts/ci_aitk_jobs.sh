@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# CI stage (issue 48): AI-Toolkit's own run.py on real YAML jobs, stock against layerstream, on the CPU.
+# Builds AI-Toolkit's Python environment (scripts/aitk_venv.sh) with a layerstream wheel made from the build
+# that scripts/test.sh left (scikit-build-core reuses build/<tag>: no second compile), then runs
+# tests/python/test_aitk_jobs.py in it. Run after scripts/test.sh, from the repository root:
+#   AI_TOOLKIT_DIR=/path/to/ai-toolkit scripts/ci_aitk_jobs.sh
+# Prints "N passed, N failed" last. LAYERSTREAM_AITK_VENV reuses an environment made earlier.
+# CI_AITK_JOBS_K: pytest -k expression of the jobs to run; by default Z-Image and Wan 2.2 (the video model),
+# stock vs layerstream, and the job stopped with Ctrl-C and resumed (within CI's time; "" runs every case:
+# Qwen-Image, qfloat8, uint4, two jobs in one process too).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+aitk="${AI_TOOLKIT_DIR%%:*}"
+if [ -z "$aitk" ] || [ ! -f "$aitk/run.py" ]; then
+  echo "ci_aitk_jobs: skipped: no AI-Toolkit checkout (set AI_TOOLKIT_DIR; it is ${AI_TOOLKIT_DIR:-unset})" >&2
+  exit 0
+fi
+start=$(date +%s)
+repo="$PWD"
+py="${PYTHON:-$( [ -x .venv/bin/python ] && echo "$repo/.venv/bin/python" || command -v python3 )}"
+venv="${LAYERSTREAM_AITK_VENV:-}"
+if [ -z "$venv" ]; then
+  venv="$PWD/.venv-aitk"
+  wheels="$(mktemp -d)"
+  "$py" -m pip wheel -q --no-build-isolation --no-deps -w "$wheels" .
+  scripts/aitk_venv.sh "$venv" "$aitk" "$(ls "$wheels"/layerstream-*.whl)"
+  rm -rf "$wheels"
+fi
+echo "ci_aitk_jobs: AI-Toolkit environment ready after $(( $(date +%s) - start )) s"
+select="${CI_AITK_JOBS_K-zimage or wan22_14b or stopped or fails or logging}"
+log="$(mktemp)"
+set +e
+(cd /tmp && LAYERSTREAM_AITK_VENV="$venv" AI_TOOLKIT_DIR="$aitk" "$py" -m pytest -q -p no:cacheprovider \
+  "$repo/tests/python/test_aitk_jobs.py" "$repo/tests/python/test_logging_disable.py" ${select:+-k "$select"}) \
+  2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
+failed=$(grep -Eo '[0-9]+ (failed|error)' "$log" | awk '{s+=$1} END {print s+0}')
+skipped=$(grep -Eo '[0-9]+ skipped' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
+rm -f "$log"
+echo "ci_aitk_jobs: $(( $(date +%s) - start )) s in all"
+if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then failed=1; fi
+echo "$passed passed, $failed failed, $skipped skipped"
+exit "$status"

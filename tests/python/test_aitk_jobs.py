@@ -1,0 +1,152 @@
+"""AI-Toolkit's own trainer (its unchanged run.py) on real YAML jobs, stock against layerstream, on the CPU:
+layerstream on the simulator must leave exactly what the stock manager leaves (every step's loss, every saved
+LoRA file byte for byte, every sample's pixels), its activity must show in the job's log, and a job stopped
+with Ctrl-C after a save must continue from that save. The jobs run in AI-Toolkit's own environment
+(scripts/aitk_venv.sh), named by LAYERSTREAM_AITK_VENV; layerstream.bench.aitk_job is the harness."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from conftest import aitk_dirs
+from layerstream.bench.aitk_job import ACTIVE_LINE, JobOptions, Workspace, differences, read_loras, run_engine
+
+REPO = Path(__file__).resolve().parents[2]
+STUBS = REPO / "tests" / "aitk_stubs"
+VENV = os.environ.get("LAYERSTREAM_AITK_VENV", "")
+PYTHON = Path(VENV) / "bin" / "python"
+
+
+def _skip_reason() -> str | None:
+    if not aitk_dirs():
+        return "needs a real AI-Toolkit checkout: set AI_TOOLKIT_DIR"
+    if not VENV or not PYTHON.is_file():
+        return ("needs AI-Toolkit's Python environment: make one with scripts/aitk_venv.sh DIR and set "
+                "LAYERSTREAM_AITK_VENV=DIR")
+    return None
+
+
+pytestmark = [pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or ""),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("aitk_jobs")
+    ws = Workspace(root=root, source=Path(aitk_dirs()[0]), stubs=STUBS, python=str(PYTHON))
+    ws.done = {}  # tag -> (stock, layerstream): a training folder is run once (a second run would resume it)
+    yield ws
+    if os.environ.get("LAYERSTREAM_KEEP_AITK_JOBS") != "1":
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _both(ws: Workspace, opts: JobOptions, tag: str, **kwargs):
+    if tag not in ws.done:
+        stock = run_engine(ws, opts, "stock", f"{tag}-stock", **kwargs)
+        ours = run_engine(ws, opts, "layerstream", f"{tag}-layerstream", **kwargs)
+        ws.done[tag] = (stock, ours)
+    stock, ours = ws.done[tag]
+    for run in (stock, ours):
+        assert run.returncode == 0, f"{run.engine} run.py failed:\n{run.log[-6000:]}"
+    return stock, ours
+
+
+def _assert_complete(opts: JobOptions, run, name: str):
+    """Every step's loss, a LoRA at every save and at the end, both prompts' samples at every sample step."""
+    assert sorted(run.losses) == list(range(1, opts.steps)), run.losses  # AI-Toolkit logs no loss at step 0
+    saves = {f"{name}_{s:09d}.safetensors" for s in range(opts.save_every, opts.steps, opts.save_every)}
+    assert saves | {f"{name}.safetensors"} == set(run.loras), sorted(run.loras)
+    samples = {f"step{s}_{i}" for s in range(0, opts.steps + 1, opts.sample_every) for i in range(2)}
+    assert samples == set(run.samples), sorted(run.samples)
+
+
+def _assert_same_outcome(opts: JobOptions, stock, ours):
+    _assert_complete(opts, stock, f"job_{opts.arch}")
+    assert ACTIVE_LINE in ours.log, ours.log[-4000:]
+    assert ACTIVE_LINE not in stock.log
+    assert differences(stock, ours) == []
+
+
+ARCH_OPTIONS = {
+    "zimage": JobOptions(arch="zimage"),
+    "qwen_image": JobOptions(arch="qwen_image"),
+    "wan22_14b": JobOptions(arch="wan22_14b"),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_OPTIONS))
+def test_job_layerstream_leaves_what_stock_leaves(workspace, arch):
+    opts = ARCH_OPTIONS[arch]
+    _assert_same_outcome(opts, *_both(workspace, opts, arch))
+
+
+@pytest.mark.parametrize("qtype", ["qfloat8", "uint4"])
+def test_quantized_job_layerstream_leaves_what_stock_leaves(workspace, qtype):
+    opts = replace(ARCH_OPTIONS["zimage"], quantize=qtype)
+    _assert_same_outcome(opts, *_both(workspace, opts, f"zimage-{qtype}"))
+
+
+def test_comparison_fails_when_one_run_differs(workspace):
+    """The comparison above can fail: one byte of one saved LoRA's tensors, or one loss, changed is a
+    difference."""
+    opts = ARCH_OPTIONS["zimage"]
+    stock, ours = _both(workspace, opts, "zimage")
+    path = workspace.root / "runs" / "zimage-layerstream" / "job_zimage" / f"job_zimage_{opts.save_every:09d}.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    try:
+        assert differences(stock, replace(ours, loras=read_loras(path.parent))) == [
+            f"LoRA files differ: ['{path.name}']"]
+    finally:
+        data[-1] ^= 1
+        path.write_bytes(bytes(data))
+    changed = replace(ours, losses={**ours.losses, 1: ours.losses[1] + 1e-9})
+    assert differences(stock, changed)[0].startswith("losses differ at steps [1]")
+
+
+def test_second_job_in_the_same_process_starts_and_trains_alike(workspace):
+    """run.py given two jobs runs the second in the same process once the first is done (the seed's "second run
+    that hung"): with layerstream it completes and leaves what stock's second job leaves."""
+    opts = ARCH_OPTIONS["zimage"]
+    stock, ours = _both(workspace, opts, "zimage-two-jobs", second_job=True)
+    for run in (stock, ours):
+        _assert_complete(opts, run, "job_zimage")
+        _assert_complete(opts, run.second, "job_zimage_second")
+    assert differences(stock, ours) == []
+
+
+def test_job_stopped_after_a_save_continues_from_it(workspace):
+    """Ctrl-C (SIGINT) once the step-2 save is on disk: run.py stops ("Job stopped") and the save is intact; the
+    same command again continues from step 2 (that LoRA and optimizer state) to the end. Stock and layerstream
+    leave the same losses, LoRA files and samples. (The resumed steps' losses are not the uninterrupted run's,
+    under either manager: AI-Toolkit's checkpoints hold no random-number state, docs/aitk-jobs.md.)"""
+    opts = ARCH_OPTIONS["zimage"]
+    resumed = {}
+    for engine in ("stock", "layerstream"):
+        name = f"zimage-{engine}-interrupted"
+        first = run_engine(workspace, opts, engine, name, interrupt_after_save=opts.save_every)
+        assert "Job stopped" in first.log, first.log[-4000:]
+        kept = {k: v for k, v in first.loras.items() if k == f"job_zimage_{opts.save_every:09d}.safetensors"}
+        assert kept, sorted(first.loras)
+        second = run_engine(workspace, opts, engine, name)
+        assert second.returncode == 0, second.log[-6000:]
+        resumed_log = second.log[len(first.log):]
+        assert f"Found step {opts.save_every} in metadata, starting from there" in resumed_log, resumed_log[-4000:]
+        assert all(second.loras[k] == v for k, v in kept.items()), "the save of the stopped run changed"
+        # AI-Toolkit logs no loss for the step a run starts from, and the stopped run's loss log may not have
+        # been written out for its last steps: the steps after the save are the resumed run's own.
+        after = {k: v for k, v in second.losses.items() if k > opts.save_every}
+        assert sorted(after) == list(range(opts.save_every + 1, opts.steps)), second.losses
+        saves = {f"job_zimage_{k:09d}.safetensors" for k in range(opts.save_every, opts.steps, opts.save_every)}
+        assert saves | {"job_zimage.safetensors"} == set(second.loras), sorted(second.loras)
+        samples = {f"step{k}_{i}" for k in range(opts.sample_every, opts.steps + 1, opts.sample_every) for i in range(2)}
+        assert samples <= set(second.samples), sorted(second.samples)
+        resumed[engine] = replace(second, losses=after)
+    assert differences(resumed["stock"], resumed["layerstream"]) == []
