@@ -33,6 +33,8 @@
 #          FLUX.1 placed as AI-Toolkit places it, for the host RAM from the attach on)
 #   wheel  the release wheel (scripts/build_wheel.sh, all architectures or LAYERSTREAM_WHEEL_ARCHS) installed in a
 #          fresh venv with no compiler or nvcc on PATH; the GPU tests of the main test files and the demo on it
+#   aitkjob  AI-Toolkit's own run.py on generated jobs at full shapes, stock vs layerstream (LAYERSTREAM_AITKJOBS:
+#          ';'-separated argument lists of `layerstream bench aitk-job`; needs .aitk/<commit> and its packages in .whl)
 #   pyfiles  the GPU cases (-k cuda) of the test files in LAYERSTREAM_PY_FILES
 #   ostris AI-Toolkit's OstrisLinear quantizers on FLUX.2-shaped under a cap, stock vs layerstream, and the
 #          model all-resident where a group asks ("q1,q2@resident,stock,layerstream"; benchmarks/ostris_bench.py;
@@ -278,6 +280,38 @@ if want wheel; then
      $T/test_lossless.py $T/test_vram_elastic.py $T/test_ostris_decode.py $T/test_nvfp4_kernels.py"
   grep -E "[0-9]+ passed" "$OUT/all.log" | tail -n 1 | sed 's/^/      /' >>"$OUT/summary.txt"
   run wheel_demo "${NOCC[@]}" bash -c 'cd /tmp && layerstream demo --backend cuda'
+fi
+
+if want aitkjob; then
+  # AI-Toolkit's own run.py on generated jobs at the real models' shapes (layerstream bench aitk-job; docs/aitk-jobs.md),
+  # stock vs layerstream. LAYERSTREAM_AITKJOBS: the jobs, separated by ';', each the harness's arguments (e.g.
+  # "--arch wan22_14b --size full --layers 20 --cap-gb 24 --workdir /tmp/aitk-wan"), a leading VAR=VALUE list its
+  # environment. --device cuda and the AI-Toolkit checkout (the first of AI_TOOLKIT_DIR) are added.
+  ensure_installed
+  step "AI-Toolkit run.py jobs"
+  # av (PyAV) is imported at module level by AI-Toolkit's data loader and by diffusers' LTX-2 export utilities
+  # (which AI-Toolkit's LTX-2 extension imports when run.py discovers extensions; diffusers asks the package's
+  # metadata first), but used only for audio and for videos OpenCV cannot decode; its wheel (40 MB) does not fit
+  # what travels here, so a stand-in with a dist-info that refuses any use.
+  mkdir -p /tmp/gpustubs/av /tmp/gpustubs/av-16.0.1.dist-info
+  printf 'def __getattr__(name):\n    raise ImportError("PyAV is not installed on this machine (stand-in: gpu_check.sh)")\n' \
+    >/tmp/gpustubs/av/__init__.py
+  printf 'Metadata-Version: 2.1\nName: av\nVersion: 16.0.1\n' >/tmp/gpustubs/av-16.0.1.dist-info/METADATA
+  echo av >/tmp/gpustubs/av-16.0.1.dist-info/top_level.txt
+  n=0
+  IFS=';' read -r -a JOBS <<<"${LAYERSTREAM_AITKJOBS:-}"
+  unset LAYERSTREAM_AITKJOBS  # the jobs' own environment is what each job names
+  for job in "${JOBS[@]}"; do
+    [[ -z ${job// /} ]] && continue
+    n=$((n + 1))
+    read -r -a words <<<"$job"
+    envs=()
+    while [[ ${words[0]:-} == [A-Z]*=* ]]; do envs+=("${words[0]}"); words=("${words[@]:1}"); done
+    run "aitkjob$n" env "${envs[@]}" python3 -m layerstream bench aitk-job --aitk-dir "${AI_TOOLKIT_DIR%%:*}" \
+      --device cuda --stubs /tmp/gpustubs --json-out "$OUT/aitkjob$n.json" "${words[@]}"
+    echo "      job $n: ${envs[*]} ${words[*]}" >>"$OUT/summary.txt"
+    sed -n '/^| arch/,/^$/p' "$OUT/all.log" | tail -n 6 | sed 's/^/      /' >>"$OUT/summary.txt"
+  done
 fi
 
 if want pyfiles; then

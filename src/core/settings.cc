@@ -267,6 +267,8 @@ const std::set<std::string>& tool_names() {
       // The AI-Toolkit job tests' variables (in the environment of the run.py they start, where the hook refuses
       // a name that is no setting), and names in scripts/aitk_venv.sh and the Windows build.
       "LAYERSTREAM_AITK_VENV", "LAYERSTREAM_KEEP_AITK_JOBS", "LAYERSTREAM_WHEEL", "LAYERSTREAM_WIN_SYSROOT",
+      // scripts/gpu_check.sh: its AI-Toolkit jobs and the release wheel's architectures.
+      "LAYERSTREAM_AITKJOBS", "LAYERSTREAM_WHEEL_ARCHS",
   };
   return names;
 }
