@@ -2,7 +2,7 @@
 layerstream on the simulator must leave exactly what the stock manager leaves (every step's loss, every saved
 LoRA file byte for byte, every sample's pixels), its activity must show in the job's log, and a job stopped
 with Ctrl-C after a save must continue from that save. The jobs run in AI-Toolkit's own environment
-(scripts/aitk_venv.sh), named by LAYERSTREAM_AITK_VENV; layerstream.bench.aitk_job is the harness."""
+(scripts/aitk_venv.sh), named by AITK_JOBS_VENV; layerstream.bench.aitk_job is the harness."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from layerstream.bench.aitk_job import ACTIVE_LINE, JobOptions, Workspace, diffe
 
 REPO = Path(__file__).resolve().parents[2]
 STUBS = REPO / "tests" / "aitk_stubs"
-VENV = os.environ.get("LAYERSTREAM_AITK_VENV", "")
+VENV = os.environ.get("AITK_JOBS_VENV", "")
 PYTHON = Path(VENV) / "bin" / "python"
 
 
@@ -28,7 +28,7 @@ def _skip_reason() -> str | None:
         return "needs a real AI-Toolkit checkout: set AI_TOOLKIT_DIR"
     if not VENV or not PYTHON.is_file():
         return ("needs AI-Toolkit's Python environment: make one with scripts/aitk_venv.sh DIR and set "
-                "LAYERSTREAM_AITK_VENV=DIR")
+                "AITK_JOBS_VENV=DIR")
     return None
 
 
@@ -42,7 +42,7 @@ def workspace(tmp_path_factory):
     ws = Workspace(root=root, source=Path(aitk_dirs()[0]), stubs=STUBS, python=str(PYTHON))
     ws.done = {}  # tag -> (stock, layerstream): a training folder is run once (a second run would resume it)
     yield ws
-    if os.environ.get("LAYERSTREAM_KEEP_AITK_JOBS") != "1":
+    if os.environ.get("AITK_JOBS_KEEP") != "1":
         shutil.rmtree(root, ignore_errors=True)
 
 
