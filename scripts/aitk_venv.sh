@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates a Python environment for AI-Toolkit as its users have one, on a machine without a GPU, and installs
 # layerstream into it the way README's "Use it in AI-Toolkit" says:
-#   scripts/aitk_venv.sh VENV_DIR [AITK_DIR] [LAYERSTREAM_WHEEL] [CHECKOUT_DIR]
+#   scripts/aitk_venv.sh VENV_DIR [AITK_DIR] [WHEEL] [CHECKOUT_DIR]
 # AITK_DIR (default: the 27a03a91 snapshot beside this checkout) gives the requirements; its
 # requirements_base.txt is installed with these changes, each because the pinned form cannot install or run here:
 #   * diffusers: AI-Toolkit pins a git commit (no network but the package index): the released 0.40.0
@@ -12,13 +12,13 @@
 #     left out; torchaudio has no build for torch 2.13 on the index: tests/aitk_stubs stands in for it.
 # About 3.5 minutes with pip's cache warm, 11 on a busy machine with it cold (2 cores).
 # torch is the CPU build of 2.13.0, the version AI-Toolkit's README installs; torchvision 0.28.0 is its pair.
-# LAYERSTREAM_WHEEL: a wheel built for this torch (pip wheel --no-build-isolation --no-deps -w DIR .); without
+# WHEEL: a wheel built for this torch (pip wheel --no-build-isolation --no-deps -w DIR .); without
 # it layerstream is built here with LAYERSTREAM_CUDA=OFF (several minutes on two cores).
 # CHECKOUT_DIR: also a writable copy of AI_DIR there, with `layerstream install CHECKOUT_DIR` run in it.
 # Jobs need tests/aitk_stubs on PYTHONPATH (its README: torchvision's operators, torchaudio).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
-venv="${1:?usage: scripts/aitk_venv.sh VENV_DIR [AITK_DIR] [LAYERSTREAM_WHEEL]}"
+venv="${1:?usage: scripts/aitk_venv.sh VENV_DIR [AITK_DIR] [WHEEL] [CHECKOUT_DIR]}"
 aitk="${2:-$here/../shared/ai-toolkit/27a03a91}"
 wheel="${3:-}"
 checkout="${4:-}"

@@ -4,7 +4,7 @@
 # that scripts/test.sh left (scikit-build-core reuses build/<tag>: no second compile), then runs
 # tests/python/test_aitk_jobs.py in it. Run after scripts/test.sh, from the repository root:
 #   AI_TOOLKIT_DIR=/path/to/ai-toolkit scripts/ci_aitk_jobs.sh
-# Prints "N passed, N failed" last. LAYERSTREAM_AITK_VENV reuses an environment made earlier.
+# Prints "N passed, N failed" last. AITK_JOBS_VENV reuses an environment made earlier.
 # CI_AITK_JOBS_K: pytest -k expression of the jobs to run; by default Z-Image and Wan 2.2 (the video model),
 # stock vs layerstream, and the job stopped with Ctrl-C and resumed (within CI's time; "" runs every case:
 # Qwen-Image, qfloat8, uint4, two jobs in one process too).
@@ -18,7 +18,7 @@ fi
 start=$(date +%s)
 repo="$PWD"
 py="${PYTHON:-$( [ -x .venv/bin/python ] && echo "$repo/.venv/bin/python" || command -v python3 )}"
-venv="${LAYERSTREAM_AITK_VENV:-}"
+venv="${AITK_JOBS_VENV:-}"
 if [ -z "$venv" ]; then
   venv="$PWD/.venv-aitk"
   wheels="$(mktemp -d)"
@@ -30,7 +30,7 @@ echo "ci_aitk_jobs: AI-Toolkit environment ready after $(( $(date +%s) - start )
 select="${CI_AITK_JOBS_K-zimage or wan22_14b or stopped or fails or logging}"
 log="$(mktemp)"
 set +e
-(cd /tmp && LAYERSTREAM_AITK_VENV="$venv" AI_TOOLKIT_DIR="$aitk" "$py" -m pytest -q -p no:cacheprovider \
+(cd /tmp && AITK_JOBS_VENV="$venv" AI_TOOLKIT_DIR="$aitk" "$py" -m pytest -q -p no:cacheprovider \
   "$repo/tests/python/test_aitk_jobs.py" "$repo/tests/python/test_logging_disable.py" ${select:+-k "$select"}) \
   2>&1 | tee "$log"
 status=${PIPESTATUS[0]}

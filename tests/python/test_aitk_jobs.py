@@ -2,7 +2,7 @@
 layerstream on the simulator must leave exactly what the stock manager leaves (every step's loss, every saved
 LoRA file byte for byte, every sample's pixels), its activity must show in the job's log, and a job stopped
 with Ctrl-C after a save must continue from that save. The jobs run in AI-Toolkit's own environment
-(scripts/aitk_venv.sh), named by LAYERSTREAM_AITK_VENV; layerstream.bench.aitk_job is the harness."""
+(scripts/aitk_venv.sh), named by AITK_JOBS_VENV; layerstream.bench.aitk_job is the harness."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from layerstream.bench.aitk_job import ACTIVE_LINE, JobOptions, Workspace, diffe
 
 REPO = Path(__file__).resolve().parents[2]
 STUBS = REPO / "tests" / "aitk_stubs"
-VENV = os.environ.get("LAYERSTREAM_AITK_VENV", "")
+VENV = os.environ.get("AITK_JOBS_VENV", "")
 PYTHON = Path(VENV) / "bin" / "python"
 
 
@@ -28,7 +28,7 @@ def _skip_reason() -> str | None:
         return "needs a real AI-Toolkit checkout: set AI_TOOLKIT_DIR"
     if not VENV or not PYTHON.is_file():
         return ("needs AI-Toolkit's Python environment: make one with scripts/aitk_venv.sh DIR and set "
-                "LAYERSTREAM_AITK_VENV=DIR")
+                "AITK_JOBS_VENV=DIR")
     return None
 
 
@@ -42,7 +42,7 @@ def workspace(tmp_path_factory):
     ws = Workspace(root=root, source=Path(aitk_dirs()[0]), stubs=STUBS, python=str(PYTHON))
     ws.done = {}  # tag -> (stock, layerstream): a training folder is run once (a second run would resume it)
     yield ws
-    if os.environ.get("LAYERSTREAM_KEEP_AITK_JOBS") != "1":
+    if os.environ.get("AITK_JOBS_KEEP") != "1":
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -60,10 +60,16 @@ def _both(ws: Workspace, opts: JobOptions, tag: str, **kwargs):
 def _assert_complete(opts: JobOptions, run, name: str):
     """Every step's loss, a LoRA at every save and at the end, both prompts' samples at every sample step."""
     assert sorted(run.losses) == list(range(1, opts.steps)), run.losses  # AI-Toolkit logs no loss at step 0
-    saves = {f"{name}_{s:09d}.safetensors" for s in range(opts.save_every, opts.steps, opts.save_every)}
-    assert saves | {f"{name}.safetensors"} == set(run.loras), sorted(run.loras)
+    assert _saves(opts, name) == set(run.loras), sorted(run.loras)
     samples = {f"step{s}_{i}" for s in range(0, opts.steps + 1, opts.sample_every) for i in range(2)}
     assert samples == set(run.samples), sorted(run.samples)
+
+
+def _saves(opts: JobOptions, name: str) -> set[str]:
+    """The LoRA files of a finished job: one per save step and the final one; Wan 2.2 saves one per expert."""
+    experts = ["_high_noise", "_low_noise"] if opts.arch == "wan22_14b" else [""]
+    steps = [f"_{s:09d}" for s in range(opts.save_every, opts.steps, opts.save_every)] + [""]
+    return {f"{name}{step}{expert}.safetensors" for step in steps for expert in experts}
 
 
 def _assert_same_outcome(opts: JobOptions, stock, ours):
@@ -144,8 +150,7 @@ def test_job_stopped_after_a_save_continues_from_it(workspace):
         # been written out for its last steps: the steps after the save are the resumed run's own.
         after = {k: v for k, v in second.losses.items() if k > opts.save_every}
         assert sorted(after) == list(range(opts.save_every + 1, opts.steps)), second.losses
-        saves = {f"job_zimage_{k:09d}.safetensors" for k in range(opts.save_every, opts.steps, opts.save_every)}
-        assert saves | {"job_zimage.safetensors"} == set(second.loras), sorted(second.loras)
+        assert _saves(opts, "job_zimage") == set(second.loras), sorted(second.loras)
         samples = {f"step{k}_{i}" for k in range(opts.sample_every, opts.steps + 1, opts.sample_every) for i in range(2)}
         assert samples <= set(second.samples), sorted(second.samples)
         resumed[engine] = replace(second, losses=after)

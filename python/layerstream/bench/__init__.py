@@ -10,7 +10,7 @@ measures and how to run it.
   run.py                one mode, built, placed, trained and measured into one row
   report.py             the floors and the report (stdout table, JSON, markdown)
   cli.py                the command line: one mode in this process, several each in its own
-  aitk_job.py           `layerstream bench aitk-job`: AI-Toolkit's run.py on a YAML job, stock vs layerstream
+  aitk_job.py           AI-Toolkit's run.py on a YAML job, stock vs layerstream (aitk_job_cli.py: `bench aitk-job`)
   aitk_models.py        the random-initialised models in diffusers' layout those jobs load
 """
 

@@ -179,8 +179,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["aitk-job"]:  # AI-Toolkit's own trainer on a YAML job: aitk_job.py
-        from .aitk_job import main as aitk_job_main
+    if argv[:1] == ["aitk-job"]:  # AI-Toolkit's own trainer on a YAML job: aitk_job_cli.py
+        from .aitk_job_cli import main as aitk_job_main
 
         return aitk_job_main(argv[1:])
     args = parse_args(argv)

@@ -1,0 +1,149 @@
+"""The command line of `layerstream bench aitk-job` (aitk_job.py says what a run is and what it compares)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from . import aitk_job
+from .aitk_job import ACTIVE_LINE, QUANTIZE, JobOptions, RunResult, Workspace, differences, run_engine
+from .aitk_models import ARCHES, SIZES
+
+
+def summary_row(opts: JobOptions, r: RunResult) -> str:
+    gib = 2 ** 30
+    vram = "" if r.peak_vram_allocated is None else f"{r.peak_vram_allocated / gib:.2f}"
+    fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+    return (f"| {opts.arch} | {opts.size} | {opts.quantize} | {r.engine} | {r.returncode} | {len(r.losses)} | "
+            f"{fmt(r.s_per_it, '.3f')} | {fmt(r.first_step_s, '.1f')} | {vram} | {r.peak_rss_bytes / gib:.2f} | "
+            f"{'yes' if r.active else 'no'} |")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="layerstream bench aitk-job", description=aitk_job.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--aitk-dir", default=(os.environ.get("AI_TOOLKIT_DIR") or "").split(os.pathsep)[0] or None,
+                        help="AI-Toolkit checkout to copy (default: the first of $AI_TOOLKIT_DIR)")
+    parser.add_argument("--arch", choices=ARCHES, action="append",
+                        help="model class (repeat for several; default zimage)")
+    parser.add_argument("--size", choices=SIZES, default="tiny", help="transformer shapes: tiny or the real model's")
+    parser.add_argument("--te-size", choices=SIZES, default="tiny", help="text encoder shapes")
+    parser.add_argument("--layers", type=int, help="transformer blocks (default: the size's)")
+    parser.add_argument("--quantize", choices=QUANTIZE, default="none",
+                        help="model.quantize with this qtype (qfloat8 becomes torchao float8 under offloading)")
+    parser.add_argument("--engines", default="stock,layerstream", help="comma-separated: stock, layerstream")
+    parser.add_argument("--device", default="cpu", help="the job's device (cpu, cuda)")
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--save-every", type=int, default=2)
+    parser.add_argument("--sample-every", type=int, default=3)
+    parser.add_argument("--sample-steps", type=int, default=2)
+    parser.add_argument("--resolution", type=int, default=64)
+    parser.add_argument("--images", type=int, default=4)
+    parser.add_argument("--num-frames", type=int, default=1,
+                        help="frames of each training clip and sample (video models; 1: images). AI-Toolkit wants "
+                             "4k+1 frames for Wan (e.g. 5, 9, 41)")
+    parser.add_argument("--rank", type=int, default=4)
+    parser.add_argument("--transformer-percent", type=float, default=1.0)
+    parser.add_argument("--te-percent", type=float, default=1.0)
+    parser.add_argument("--cap-gb", type=float, help="GPU: cap the job's VRAM at this many GiB once training starts")
+    parser.add_argument("--resume", action="store_true",
+                        help="also: stop each engine's job with SIGINT after its first save, start it again, and "
+                             "compare the resumed losses")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="GPU: torch.use_deterministic_algorithms(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8 in the "
+                             "jobs, so that stock and layerstream can be compared bitwise")
+    parser.add_argument("--run-tag", default="",
+                        help="appended to each run's folder name: a new run in a --workdir that already has one (the "
+                             "same name would resume it), e.g. auto for a LAYERSTREAM_VRAM_BUDGET=auto row")
+    parser.add_argument("--second-job", action="store_true",
+                        help="give run.py a second job (the same under another name), which it starts in the same "
+                             "process when the first ends; its outcome is compared too")
+    parser.add_argument("--stubs", help="a folder put on PYTHONPATH of the jobs (tests/aitk_stubs: stand-ins for "
+                                        "AI-Toolkit imports that cannot install here)")
+    parser.add_argument("--workdir", help="keep everything here (default: a new temporary folder, removed)")
+    parser.add_argument("--json-out")
+    args = parser.parse_args(argv)
+    if not args.aitk_dir:
+        parser.error("--aitk-dir (or AI_TOOLKIT_DIR) is required")
+    args.arch = args.arch or ["zimage"]
+    return args
+
+
+def _json_row(arch: str, r: RunResult, **extra) -> dict:
+    row = {"arch": arch, **extra, **{k: v for k, v in asdict(r).items() if k not in ("log", "second")}}
+    if r.second is not None:
+        row["second_job"] = {k: v for k, v in asdict(r.second).items() if k not in ("log", "second")}
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tempfile
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    engines = args.engines.split(",")
+    tag = f"-{args.run_tag}" if args.run_tag else ""
+    root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="aitk_job_"))
+    ws = Workspace(root=root, source=Path(args.aitk_dir), stubs=Path(args.stubs).resolve() if args.stubs else None)
+    failed, rows, results = 0, [], []
+    for arch in args.arch:
+        opts = JobOptions(arch=arch, size=args.size, te_size=args.te_size, layers=args.layers,
+                          quantize=args.quantize, steps=args.steps, save_every=args.save_every,
+                          sample_every=args.sample_every, sample_steps=args.sample_steps,
+                          resolution=args.resolution, images=args.images, num_frames=args.num_frames,
+                          device=args.device, dtype=args.dtype, rank=args.rank,
+                          transformer_percent=args.transformer_percent, te_percent=args.te_percent)
+        runs, problems = {}, []
+        for engine in engines:
+            print(f"== {arch} {engine}", flush=True)
+            run = run_engine(ws, opts, engine, f"{arch}-{engine}{tag}", cap_gb=args.cap_gb,
+                             second_job=args.second_job, deterministic=args.deterministic)
+            runs[engine] = run
+            rows.append(summary_row(opts, run))
+            if run.second is not None:
+                rows.append(summary_row(opts, run.second).replace(f"| {engine} |", f"| {engine}, 2nd job |"))
+                gap = (run.second.first_step_s or 0) - (run.last_step_s or 0)
+                print(f"   {engine}: the second job's first step {gap:.1f} s after the first job's last", flush=True)
+            if run.returncode != 0:
+                print(run.log[-4000:])
+                problems.append(f"{engine}: exit status {run.returncode}")
+            results.append(_json_row(arch, run))
+        if "layerstream" in runs and not runs["layerstream"].active:
+            problems.append(f"layerstream: the log has no {ACTIVE_LINE!r}")
+        if len(runs) == 2:
+            problems += differences(*runs.values())
+        if args.resume:
+            resumed = {}
+            for engine in engines:
+                name = f"{arch}-{engine}{tag}-resumed"
+                first = run_engine(ws, opts, engine, name, interrupt_after_save=args.save_every)
+                resumed[engine] = second = run_engine(ws, opts, engine, name)
+                full = runs[engine].losses
+                after = {s: v for s, v in second.losses.items() if s > args.save_every}
+                print(f"   {engine}: stopped with Ctrl-C after the step-{args.save_every} save (exit "
+                      f"{first.returncode}, {'Job stopped' if 'Job stopped' in first.log else 'no Job stopped'}); "
+                      f"started again: exit {second.returncode}, steps {sorted(after)}; the same losses as the "
+                      f"uninterrupted run: {all(full.get(k) == v for k, v in after.items())}", flush=True)
+                if second.returncode != 0 or sorted(after) != [k for k in sorted(full) if k > args.save_every]:
+                    problems.append(f"{engine} resumed: exit status {second.returncode}, steps {sorted(second.losses)}")
+                results.append(_json_row(arch, second, resumed=True))
+            if len(resumed) == 2:
+                problems += [f"resumed: {d}" for d in differences(*resumed.values())]
+        for problem in problems:
+            print(f"   DIFFERENT {arch}: {problem}", flush=True)
+        failed += bool(problems)
+    print("| arch | size | quantize | engine | exit | steps logged | s/it (AI-Toolkit) | start to first step s | "
+          "peak VRAM GiB | peak RSS GiB | layerstream active |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"args": vars(args), "results": results}, default=str) + "\n")
+    if not args.workdir:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"{len(args.arch) - failed} passed, {failed} failed")
+    return 1 if failed else 0
