@@ -27,11 +27,12 @@ if [ -z "$venv" ]; then
   rm -rf "$wheels"
 fi
 echo "ci_aitk_jobs: AI-Toolkit environment ready after $(( $(date +%s) - start )) s"
-select="${CI_AITK_JOBS_K-zimage or wan22_14b or stopped or fails or logging}"
+select="${CI_AITK_JOBS_K-zimage or wan22_14b or stopped or fails or logging or last_line}"
 log="$(mktemp)"
 set +e
 (cd /tmp && AITK_JOBS_VENV="$venv" AI_TOOLKIT_DIR="$aitk" "$py" -m pytest -q -p no:cacheprovider \
-  "$repo/tests/python/test_aitk_jobs.py" "$repo/tests/python/test_logging_disable.py" ${select:+-k "$select"}) \
+  "$repo/tests/python/test_aitk_jobs.py" "$repo/tests/python/test_logging_disable.py" \
+  "$repo/tests/python/test_aitk_runpy_settings.py" ${select:+-k "$select"}) \
   2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e

@@ -264,9 +264,8 @@ const std::set<std::string>& tool_names() {
       "LAYERSTREAM_TEST_CURRENT_QUANT", "LAYERSTREAM_OSTRIS_QTYPES", "LAYERSTREAM_OSTRIS_CAP_GB", "LAYERSTREAM_OSTRIS_DETERMINISTIC", "LAYERSTREAM_PY_K",
       "LAYERSTREAM_PY_TB", "LAYERSTREAM_AITKMM_CONFIGS", "LAYERSTREAM_AITKMM_PAIRS", "LAYERSTREAM_AITKMM_REPEAT",
       "LAYERSTREAM_MODEL_RUNS", "LAYERSTREAM_MODEL_STEPS", "LAYERSTREAM_MEM_STEPS", "LAYERSTREAM_AITKMM_ENGINES",
-      // The AI-Toolkit job tests' variables (in the environment of the run.py they start, where the hook refuses
-      // a name that is no setting), and names in scripts/aitk_venv.sh and the Windows build.
-      "LAYERSTREAM_AITK_VENV", "LAYERSTREAM_KEEP_AITK_JOBS", "LAYERSTREAM_WHEEL", "LAYERSTREAM_WIN_SYSROOT",
+      // The Windows build's sysroot.
+      "LAYERSTREAM_WIN_SYSROOT",
       // scripts/gpu_check.sh: its AI-Toolkit jobs and the release wheel's architectures.
       "LAYERSTREAM_AITKJOBS", "LAYERSTREAM_WHEEL_ARCHS",
   };

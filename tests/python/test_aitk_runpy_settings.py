@@ -2,7 +2,7 @@
 layerstream installed): the job stops, and the last line of its log, the error AI-Toolkit's web UI shows, is
 the setting's one line (its name, its value, `.env line N`, what it takes). It used to be `ImportError:
 initialization failed`, or a job silently trained on stock. Runs in AI-Toolkit's own environment
-(scripts/aitk_venv.sh, named by LAYERSTREAM_AITK_VENV, as tests/python/test_aitk_jobs.py does)."""
+(scripts/aitk_venv.sh, named by AITK_JOBS_VENV, as tests/python/test_aitk_jobs.py does)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from layerstream.settings import TABLE
 
 REPO = Path(__file__).resolve().parents[2]
 STUBS = REPO / "tests" / "aitk_stubs"
-VENV = os.environ.get("LAYERSTREAM_AITK_VENV", "")
+VENV = os.environ.get("AITK_JOBS_VENV", "")
 PYTHON = Path(VENV) / "bin" / "python"
 
 
@@ -28,7 +28,7 @@ def _skip_reason() -> str | None:
         return "needs a real AI-Toolkit checkout: set AI_TOOLKIT_DIR"
     if not VENV or not PYTHON.is_file():
         return ("needs AI-Toolkit's Python environment: make one with scripts/aitk_venv.sh DIR and set "
-                "LAYERSTREAM_AITK_VENV=DIR")
+                "AITK_JOBS_VENV=DIR")
     return None
 
 

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..install import MANIFEST
 from .aitk_models import seed_hub_cache
 
 SITE_DIR = Path(__file__).resolve().parent / "aitk_site"
@@ -171,6 +172,7 @@ def prepare_checkout(source: Path, dest: Path, python: str = sys.executable) -> 
     result = subprocess.run([python, "-m", "layerstream", "install", str(dest)],
                             capture_output=True, text=True)
     if result.returncode != 0:
+        shutil.rmtree(dest, ignore_errors=True)  # a later run must not take the copy without the hook for one
         raise RuntimeError(f"layerstream install {dest} failed:\n{result.stdout}{result.stderr}")
     return dest
 
@@ -361,7 +363,10 @@ class Workspace:
 
     def checkout(self) -> Path:
         folder = self.root / "ai-toolkit"
-        if not folder.is_dir():
+        # Reused only where layerstream's install finished (its record is there): a copy without the hook would
+        # run stock for both engines.
+        if not (folder / MANIFEST).is_file():
+            shutil.rmtree(folder, ignore_errors=True)
             prepare_checkout(self.source, folder, self.python)
         return folder
 
