@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import subprocess
 import sys
 import weakref
@@ -115,9 +116,15 @@ def test_the_namespace_is_ai_toolkits_with_layerstreams_own_and_the_test_hooks_a
     assert hooks == {"dequantize", "lossless_pack", "lossless_unpack", "decode_blocks", "set_decode_blocks",
                      "reset_log_once", "sim_fail_next_copies", "sim_device_alloc", "sim_device_free",
                      "sim_device_free_bytes", "lossless_threads", "set_lossless_threads", "lossless_pack_times",
-                     "nvfp4_fake_quantize", "nvfp4_decode", "int_rows_decode"}
+                     "nvfp4_fake_quantize", "nvfp4_decode", "int_rows_decode", "parent_process_id"}
     assert {n for n in dir(mm._packed) if not n.startswith("__")} == {"unpack"}
     assert [n for n in dir(mm.DeviceState) if n.startswith("_sim")] == []
+
+
+def test_the_share_handshake_names_torchruns_agent_by_the_parent_process_id():
+    # torchrun's ranks agree on their segments' name through their common parent (the agent): on Windows too,
+    # where the id comes from the process table instead of getppid().
+    assert mm._testing.parent_process_id() == os.getppid() > 0
 
 
 def test_the_older_stats_names_read_the_same_counters(engine, device):
