@@ -16,9 +16,15 @@ except PackageNotFoundError:  # pragma: no cover - imported from a source tree t
 try:
     # torch first: on Windows, importing it puts its DLL folder on the search path that the extensions
     # (manager_modules links libtorch) need; there is no RPATH there.
-    import torch  # noqa: F401
+    import torch
 except ImportError:  # the torch-free core and its demo still work
-    pass
+    torch = None
+
+from . import _torch_guard
+
+# A torch other than the build's: importing manager_modules says so instead of failing at DLL load (Windows).
+_torch_guard.install(getattr(torch, "__version__", None) if torch is not None else None)
+del torch
 
 try:
     from . import _native  # noqa: F401  (re-exported for users and tests)
