@@ -33,6 +33,7 @@
 #include "settings.h"
 #include "streamed_layer.h"
 #include "telemetry.h"
+#include "vc_runtime.h"
 
 namespace py = pybind11;
 using namespace layerstream;
@@ -146,6 +147,7 @@ void bind_layer_managers(py::module_& m) {
 }  // namespace
 
 PYBIND11_MODULE(manager_modules, m) {
+  if (const std::string refused = vc_runtime::refusal(); !refused.empty()) throw py::import_error(refused);
   check_torch_version();
   route_log_to_python();
   // The settings are read and checked now: a bad value fails the import (its ValueError the cause of the
