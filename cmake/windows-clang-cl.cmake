@@ -1,12 +1,12 @@
 # Cross-compiles layerstream for Windows x64 (the MSVC ABI) on Linux: clang-cl and lld-link against the
 # sysroot scripts/windows/sysroot.sh assembles (MSVC 14.44 headers and import libs, Windows SDK 10.0.26100).
-# Used by scripts/windows/build.sh; LAYERSTREAM_WIN_SYSROOT names the sysroot.
+# Used by scripts/windows/build.sh; LAYERSTREAM_WIN_SYSROOT (or the environment's LSWIN_SYSROOT) names the sysroot.
 set(CMAKE_SYSTEM_NAME Windows)
 set(CMAKE_SYSTEM_VERSION 10.0)
 set(CMAKE_SYSTEM_PROCESSOR AMD64)
 
 if(NOT LAYERSTREAM_WIN_SYSROOT)
-  set(LAYERSTREAM_WIN_SYSROOT "$ENV{LAYERSTREAM_WIN_SYSROOT}")
+  set(LAYERSTREAM_WIN_SYSROOT "$ENV{LSWIN_SYSROOT}")
 endif()
 if(NOT IS_DIRECTORY "${LAYERSTREAM_WIN_SYSROOT}/msvc/include")
   message(FATAL_ERROR "LAYERSTREAM_WIN_SYSROOT (${LAYERSTREAM_WIN_SYSROOT}) is not a sysroot made by "

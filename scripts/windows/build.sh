@@ -4,7 +4,7 @@
 # scripts/windows/sysroot.sh. Output: build/windows/package/layerstream (the Python package with both .pyd).
 #
 #   scripts/windows/build.sh            configure if needed, build, assemble the package
-#   LAYERSTREAM_WIN_JOBS=2              parallel compile jobs (default 2)
+#   LSWIN_JOBS=2              parallel compile jobs (default 2)
 #
 # Needs: clang-19, lld-19, llvm-19 (Debian), cmake >= 3.24, ninja, python3 with pip, CPython 3.12's headers.
 # A CI check of the MSVC ABI, not a release build: see docs/install.md.
@@ -12,11 +12,11 @@ set -euo pipefail
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 SYSROOT="$("$REPO/scripts/windows/sysroot.sh")"
 BUILD="$REPO/build/windows"
-JOBS="${LAYERSTREAM_WIN_JOBS:-2}"
+JOBS="${LSWIN_JOBS:-2}"
 TORCH_VERSION="$(tr -d '\r' < "$SYSROOT/torch/version.py" | sed -n "s/^__version__ = '\(.*\)'$/\1/p")"
 [[ -n $TORCH_VERSION ]] || { echo "cannot read the torch version from $SYSROOT/torch/version.py" >&2; exit 1; }
 
-export LAYERSTREAM_WIN_SYSROOT="$SYSROOT"
+export LSWIN_SYSROOT="$SYSROOT"
 if [[ ! -f "$BUILD/cmake/build.ninja" ]]; then
   cmake -S "$REPO" -B "$BUILD/cmake" -G Ninja \
     -DCMAKE_TOOLCHAIN_FILE="$REPO/cmake/windows-clang-cl.cmake" \
@@ -37,4 +37,10 @@ rm -rf "$BUILD/package"
 cmake --install "$BUILD/cmake" >&2
 cp -r "$REPO/python/layerstream/." "$BUILD/package/layerstream/"
 find "$BUILD/package" -name __pycache__ -prune -exec rm -rf {} +
+rm -f "$BUILD/package/layerstream/"*.in
+# What an installed wheel carries for importlib.metadata (layerstream.__version__, the console script).
+VERSION="$(sed -n 's/^version = "\(.*\)"$/\1/p' "$REPO/pyproject.toml")"
+mkdir -p "$BUILD/package/layerstream-$VERSION.dist-info"
+printf 'Metadata-Version: 2.1\nName: layerstream\nVersion: %s\n' "$VERSION" > "$BUILD/package/layerstream-$VERSION.dist-info/METADATA"
+printf '[console_scripts]\nlayerstream = layerstream.cli:main\n' > "$BUILD/package/layerstream-$VERSION.dist-info/entry_points.txt"
 echo "$BUILD/package"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Assembles what a Windows build of layerstream needs, from pinned downloads, in a cache outside the repository
-# (${LAYERSTREAM_WIN_CACHE:-$HOME/.cache/layerstream-win}); prints nothing but the sysroot's path on stdout.
+# (${LSWIN_CACHE:-$HOME/.cache/layerstream-win}); prints nothing but the sysroot's path on stdout.
 #
 #   dl/        the downloads, each checked against its sha256 below
 #   sysroot/   msvc/ (MSVC 14.44 headers, import libs, runtime DLLs), sdk/ (Windows SDK 10.0.26100: include/,
@@ -11,10 +11,10 @@
 # as a check that layerstream builds and runs for the MSVC ABI. A binary built with it is never shipped; release
 # builds come from .github/workflows/windows.yml (MSVC on a Windows runner).
 set -euo pipefail
-CACHE="${LAYERSTREAM_WIN_CACHE:-$HOME/.cache/layerstream-win}"
+CACHE="${LSWIN_CACHE:-$HOME/.cache/layerstream-win}"
 DL="$CACHE/dl"
 SYSROOT="$CACHE/sysroot"
-LLVM_BIN="${LAYERSTREAM_WIN_LLVM:-/usr/lib/llvm-19/bin}"
+LLVM_BIN="${LSWIN_LLVM:-/usr/lib/llvm-19/bin}"
 mkdir -p "$DL" "$SYSROOT"
 
 # name  version  file  sha256
@@ -115,7 +115,7 @@ if ! stamp_ok python "${PINS[1]}"; then
   echo "${PINS[1]}" > "$SYSROOT/python.stamp"
 fi
 if [[ ! -f "$SYSROOT/python/include/Python.h" ]]; then
-  headers="${LAYERSTREAM_WIN_PY312_INCLUDE:-}"
+  headers="${LSWIN_PY312_INCLUDE:-}"
   if [[ -z $headers ]]; then
     for py in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 python3.12; do
       headers="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null)" && break
@@ -124,7 +124,7 @@ if [[ ! -f "$SYSROOT/python/include/Python.h" ]]; then
   if [[ -z $headers || ! -f $headers/Python.h || ! -f $headers/patchlevel.h ]] \
      || ! grep -q '#define PY_MINOR_VERSION *12' "$headers/patchlevel.h"; then
     log "CPython 3.12's headers were not found: install a Python 3.12 (pyenv install 3.12) or set"
-    log "LAYERSTREAM_WIN_PY312_INCLUDE to a folder with its Python.h"
+    log "LSWIN_PY312_INCLUDE to a folder with its Python.h"
     exit 1
   fi
   rm -rf "$SYSROOT/python/include"
