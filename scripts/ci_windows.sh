@@ -12,11 +12,28 @@ if ! command -v /usr/lib/llvm-19/bin/clang >/dev/null || [[ ! -x /usr/lib/wine/w
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends clang-19 lld-19 llvm-19 wine64 cmake ninja-build unzip >/dev/null
 fi
-scripts/windows/build.sh >/dev/null
+build_log="$(mktemp)"
+if ! scripts/windows/build.sh >"$build_log" 2>&1; then
+  tail -40 "$build_log"; echo "windows stage: the cross-build failed"; echo "0 passed, 1 failed"; exit 1
+fi
+rm -f "$build_log"
 echo "windows stage: cross-build done after $((SECONDS - start)) s"
 set +e
 scripts/windows/test_wine.sh
 rc=$?
 set -e
+# An old VC++ runtime (Wine's own msvcp140.dll stands for one) is refused at import with the fix, not a crash.
+old_runtime="msvcp140,msvcp140_1,msvcp140_2,msvcp140_atomic_wait,msvcp140_codecvt_ids=b;vcruntime140,vcruntime140_1=n,b"
+set +e
+out="$(LSWIN_WINE_DLLS="$old_runtime" scripts/windows/test_wine.sh --python -c "import layerstream" 2>&1)"
+old_rc=$?
+set -e
+if [[ $old_rc == 1 ]] && grep -q "^ImportError: layerstream needs the Microsoft Visual C++ Redistributable 14.40 or newer.*vc_redist.x64.exe" <<<"$out"; then
+  echo "windows stage: an old VC++ runtime (Wine's msvcp140.dll) is refused with the fix: 1 passed, 0 failed"
+else
+  echo "$out" | tail -5
+  echo "windows stage: an old VC++ runtime was not refused as it should be (exit $old_rc): 0 passed, 1 failed"
+  rc=1
+fi
 echo "windows stage: $((SECONDS - start)) s in all"
 exit "$rc"

@@ -29,6 +29,8 @@ del torch
 try:
     from . import _native  # noqa: F401  (re-exported for users and tests)
 except ImportError as exc:  # pragma: no cover - depends on how the package was installed
+    if "Visual C++ Redistributable" in str(exc):  # built, but refused by its VC++ runtime check (Windows)
+        raise
     raise ImportError(
         "layerstream's native extension (layerstream._native) is not built. Install the package with "
         "`pip install --no-build-isolation .` from the repository root (see README.md). "

@@ -22,7 +22,7 @@ def read_dotenv(path: Path) -> dict[str, str]:
         from dotenv import dotenv_values
     except ImportError:
         values = {}
-        for line in path.read_text().splitlines():
+        for line in path.read_text(encoding="utf-8-sig").splitlines():  # Notepad's BOM; not the locale's code page
             line = line.strip()
             if line and not line.startswith("#") and "=" in line:
                 key, _, value = line.removeprefix("export ").partition("=")
