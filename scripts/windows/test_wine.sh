@@ -49,7 +49,7 @@ winpath() { echo "Z:${1//\//\\}"; }
 WIN="$CACHE/wine"
 PY="$WIN/python"
 REQS="$REPO/scripts/windows/wine-requirements.txt"
-stamp="$(sha256sum "$REQS" "$SYSROOT/python.stamp" | sha256sum | cut -c1-16)"
+stamp="$(cat "$REQS" "$SYSROOT/python.stamp" | sha256sum | cut -c1-16)"
 if [[ ! -f $WIN/env.stamp || $(cat "$WIN/env.stamp") != "$stamp" ]]; then
   echo "wine test stage: preparing Windows CPython 3.12 with torch and pytest" >&2
   rm -rf "$PY" "$WIN/site"
