@@ -68,6 +68,8 @@ def _shm() -> Line:
     """/dev/shm holds the host copy the ranks of a host share (LAYERSTREAM_SHARE_HOST)."""
     import os
 
+    if os.name == "nt":  # no POSIX shared memory (a Wine prefix still shows Linux's /dev/shm as Z:\dev\shm)
+        return Line("OK", "/dev/shm", "not on Windows: several ranks on this host keep a host copy each")
     if not os.path.isdir("/dev/shm"):
         return Line("OK", "/dev/shm", "absent: several ranks on this host keep a host copy each")
     stat = os.statvfs("/dev/shm")

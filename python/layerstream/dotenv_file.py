@@ -17,6 +17,11 @@ from pathlib import Path
 from . import settings
 
 _BARE = re.compile(r"[A-Za-z0-9_.:/+@-]+")
+_BOM = b"\xef\xbb\xbf"  # Notepad's "UTF-8 with BOM": kept where it is, not part of the first line's name
+
+
+def _split_bom(data: bytes) -> tuple[bytes, bytes]:
+    return (_BOM, data[len(_BOM):]) if data.startswith(_BOM) else (b"", data)
 
 
 def _definition(name: str) -> re.Pattern[bytes]:
@@ -63,7 +68,7 @@ def _shadowed(name: str) -> str:
 def set_value(path: Path, name: str, value: str) -> str:
     """Sets ``name`` to ``value`` in the .env file at ``path`` (created if absent); returns what it did."""
     written = _checked(name, value)
-    data = path.read_bytes() if path.exists() else b""
+    bom, data = _split_bom(path.read_bytes() if path.exists() else b"")
     lines = data.splitlines(keepends=True)
     newline = b"\r\n" if b"\r\n" in data else b"\n"
     pattern = _definition(name)
@@ -80,7 +85,7 @@ def set_value(path: Path, name: str, value: str) -> str:
             lines[-1] += newline
         lines.append(f"{name}={written}".encode() + newline)
         number, verb = len(lines), "added as line"
-    _write(path, b"".join(lines))
+    _write(path, bom + b"".join(lines))
     removed = f" (removed {len(found) - 1} other line(s) that set it)" if len(found) > 1 else ""
     return f"{name}={written} {verb} {number} of {path}{removed}" + _shadowed(name)
 
@@ -89,11 +94,11 @@ def unset_value(path: Path, name: str) -> str:
     """Removes every line of the .env file at ``path`` that sets ``name``; returns what it did."""
     if name not in settings.SPECS:
         _checked(name, "")  # raises: no such setting, with the nearest one
-    data = path.read_bytes() if path.exists() else b""
+    bom, data = _split_bom(path.read_bytes() if path.exists() else b"")
     lines = data.splitlines(keepends=True)
     pattern = _definition(name)
     kept = [line for line in lines if not pattern.match(line)]
     if len(kept) == len(lines):
         return f"{name} is not set in {path}; nothing to do" + _shadowed(name)
-    _write(path, b"".join(kept))
+    _write(path, bom + b"".join(kept))
     return f"{name} removed from {path} ({len(lines) - len(kept)} line(s))" + _shadowed(name)

@@ -57,7 +57,7 @@ def _unquote(raw: str) -> str:
 def read_dotenv(path: Path) -> dict[str, DotenvEntry]:
     """Every ``NAME=value`` of a .env file, with its line; a name given twice: the last (as python-dotenv)."""
     try:
-        text = path.read_bytes().decode("utf-8", errors="replace")
+        text = path.read_bytes().decode("utf-8-sig", errors="replace")  # Notepad's BOM, as python-dotenv
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return {}
     entries = {}
@@ -74,7 +74,7 @@ def glued_lines(path: Path) -> list[str]:
     """Lines where a LAYERSTREAM setting follows other text (``HF_TOKEN=abcLAYERSTREAM_VRAM_BUDGET=auto``: what appending
     to a file without a final newline gives): the setting is then part of the other line's value."""
     try:
-        text = path.read_bytes().decode("utf-8", errors="replace")
+        text = path.read_bytes().decode("utf-8-sig", errors="replace")  # Notepad's BOM, as python-dotenv
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return []
     found = []

@@ -14,6 +14,7 @@
 #include "layerstream/settings.h"
 #include "layerstream/sim_backend.h"
 #include "layerstream/transfer_engine.h"
+#include "vc_runtime.h"
 
 namespace py = pybind11;
 using namespace layerstream;
@@ -212,6 +213,7 @@ void bind_engine(py::module_& m) {
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
+  if (const std::string refused = vc_runtime::refusal(); !refused.empty()) throw py::import_error(refused);
   m.doc() = "layerstream native core (torch-free): backends, pinned arena, device ring, transfer engine";
 
   py::register_exception<Error>(m, "NativeError", PyExc_RuntimeError);

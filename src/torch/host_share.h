@@ -73,4 +73,8 @@ class HostShare {
 // broadcast through torch.distributed. Takes the GIL for the broadcast. The resolver the module installs.
 std::optional<ShareConfig> resolve_share();
 
+// The id of the process that started this one (torchrun's agent for its ranks), on POSIX and Windows alike;
+// 0 when Windows cannot tell.
+long parent_process_id();
+
 }  // namespace layerstream::torchglue

@@ -34,6 +34,7 @@
 #include "py_torch.h"
 #include "streamed_layer.h"
 #include "telemetry.h"
+#include "vc_runtime.h"
 
 namespace py = pybind11;
 using namespace layerstream;
@@ -147,6 +148,7 @@ void bind_layer_managers(py::module_& m) {
 }  // namespace
 
 PYBIND11_MODULE(manager_modules, m) {
+  if (const std::string refused = vc_runtime::refusal(); !refused.empty()) throw py::import_error(refused);
   check_torch_version();
   route_log_to_python();
   // The settings are read and checked now: a bad value fails the import, not the first layer call minutes

@@ -7,7 +7,12 @@
 #include <cstdlib>
 #include <functional>
 #include <string>
-#ifndef _WIN32
+#ifdef _WIN32
+#define WIN32_LEAN_AND_MEAN
+#define NOMINMAX
+#include <windows.h>
+#include <tlhelp32.h>
+#else
 #include <unistd.h>
 #endif
 
@@ -19,6 +24,28 @@
 namespace py = pybind11;
 
 namespace layerstream::torchglue {
+
+long parent_process_id() {
+#ifdef _WIN32
+  // Windows keeps no parent link in the process itself: the process table's entry for this process has it.
+  const DWORD self = GetCurrentProcessId();
+  HANDLE snapshot = CreateToolhelp32Snapshot(TH32CS_SNAPPROCESS, 0);
+  if (snapshot == INVALID_HANDLE_VALUE) return 0;
+  long parent = 0;
+  PROCESSENTRY32W entry{};
+  entry.dwSize = sizeof entry;
+  for (BOOL more = Process32FirstW(snapshot, &entry); more; more = Process32NextW(snapshot, &entry)) {
+    if (entry.th32ProcessID == self) {
+      parent = static_cast<long>(entry.th32ParentProcessID);
+      break;
+    }
+  }
+  CloseHandle(snapshot);
+  return parent;
+#else
+  return static_cast<long>(::getppid());
+#endif
+}
 
 std::optional<ShareConfig> resolve_share() {
   const std::shared_ptr<const Settings> settings = Settings::current();
@@ -47,7 +74,7 @@ std::optional<ShareConfig> resolve_share() {
     // same run id and master port: the name follows from those without any collective call, so a rank
     // that attaches alone (or late) never blocks the others.
     const char* port = settings->master_port ? settings->master_port->c_str() : nullptr;
-    const std::string key = std::string(run_id) + "/" + (port ? port : "") + "/" + std::to_string(::getppid());
+    const std::string key = std::string(run_id) + "/" + (port ? port : "") + "/" + std::to_string(parent_process_id());
     char hex[17];
     std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(std::hash<std::string>{}(key)));
     config.token = hex;

@@ -9,6 +9,7 @@
 
 #include "bindings.h"
 #include "device_registry.h"
+#include "host_share.h"
 #include "layerstream/check.h"
 #include "layerstream/log.h"
 #include "layerstream/sim_backend.h"
@@ -144,6 +145,8 @@ void bind_testing(py::module_& m) {
   py::module_ t = m.def_submodule("_testing", "Hooks for layerstream's tests and benchmarks (not AI-Toolkit's surface).");
   bind_codecs(t);
   bind_simulator(t);
+  t.def("parent_process_id", &parent_process_id,
+        "The parent process id the share handshake names torchrun's ranks by (os.getppid() in Python).");
   t.def("reset_log_once", &reset_log_once,
         "Forgets which once-only messages this module logged (its own log state, not _native's).");
 }

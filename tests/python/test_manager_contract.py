@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import re
 import subprocess
 import sys
@@ -116,9 +117,19 @@ def test_the_namespace_is_ai_toolkits_with_layerstreams_own_and_the_test_hooks_a
     assert hooks == {"dequantize", "lossless_pack", "lossless_unpack", "decode_blocks", "set_decode_blocks",
                      "reset_log_once", "sim_fail_next_copies", "sim_device_alloc", "sim_device_free",
                      "sim_device_free_bytes", "lossless_threads", "set_lossless_threads", "lossless_pack_times",
-                     "nvfp4_fake_quantize", "nvfp4_decode", "int_rows_decode"}
+                     "nvfp4_fake_quantize", "nvfp4_decode", "int_rows_decode", "parent_process_id"}
     assert {n for n in dir(mm._packed) if not n.startswith("__")} == {"unpack"}
     assert [n for n in dir(mm.DeviceState) if n.startswith("_sim")] == []
+
+
+def test_the_share_handshake_names_torchruns_agent_by_the_parent_process_id():
+    # torchrun's ranks agree on their segments' name through their common parent (the agent): on Windows too,
+    # where the id comes from the process table instead of getppid(). (A child asks, so that the parent's id is
+    # known without os.getppid(), which Wine 8 cannot answer.)
+    code = "import torch\nfrom layerstream import manager_modules as mm\nprint(mm._testing.parent_process_id())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[-1]) == os.getpid()
 
 
 def test_the_older_stats_names_read_the_same_counters(engine, device):
@@ -382,6 +393,16 @@ def test_import_refuses_a_different_torch(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode != 0
     assert "built against torch" in result.stderr and "0.0.1" in result.stderr
+    assert "pip install --no-build-isolation --force-reinstall layerstream" in result.stderr
+
+
+def test_the_package_knows_the_extensions_torch_before_loading_it():
+    # The check that speaks before the DLL load (Windows) reads the version the build recorded: the one the
+    # extension itself was compiled against.
+    from layerstream import _build, _torch_guard
+    assert _build.TORCH_VERSION == mm.__torch_version__ == torch.__version__
+    assert _torch_guard.mismatch(_build.TORCH_VERSION, torch.__version__) is None
+    assert "cannot import torch" in _torch_guard.mismatch(_build.TORCH_VERSION, None)
 
 
 # ---- prefetch ---------------------------------------------------------------------------------------
