@@ -83,6 +83,22 @@ def aitk_dirs() -> list[str]:
     return [p for p in value.split(os.pathsep) if p]
 
 
+# AI-Toolkit's own Python environment (scripts/aitk_venv.sh), for the tests that start its run.py.
+AITK_STUBS = Path(__file__).resolve().parents[1] / "aitk_stubs"
+AITK_VENV = os.environ.get("AITK_JOBS_VENV", "")
+AITK_PYTHON = Path(AITK_VENV) / "bin" / "python"
+
+
+def aitk_jobs_skip_reason() -> str | None:
+    """Why the run.py tests cannot run here, or None: they need a checkout and AI-Toolkit's environment."""
+    if not aitk_dirs():
+        return "needs a real AI-Toolkit checkout: set AI_TOOLKIT_DIR"
+    if not AITK_VENV or not AITK_PYTHON.is_file():
+        return ("needs AI-Toolkit's Python environment: make one with scripts/aitk_venv.sh DIR and set "
+                "AITK_JOBS_VENV=DIR")
+    return None
+
+
 def torchao_codes_and_scale(weight) -> tuple[torch.Tensor, torch.Tensor]:
     """The codes and scale torchao keeps for a float8 weight: an AffineQuantizedTensor with the Float8Layout
     (torchao 0.10, AI-Toolkit's pin, to 0.1x) keeps them in its tensor_impl, a Float8Tensor (since) itself."""

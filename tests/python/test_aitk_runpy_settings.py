@@ -13,26 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import aitk_dirs
+from conftest import AITK_PYTHON, AITK_STUBS, aitk_dirs, aitk_jobs_skip_reason
 from layerstream import _native
 from layerstream.settings import TABLE
 
 REPO = Path(__file__).resolve().parents[2]
-STUBS = REPO / "tests" / "aitk_stubs"
-VENV = os.environ.get("AITK_JOBS_VENV", "")
-PYTHON = Path(VENV) / "bin" / "python"
+STUBS, PYTHON = AITK_STUBS, AITK_PYTHON
 
 
-def _skip_reason() -> str | None:
-    if not aitk_dirs():
-        return "needs a real AI-Toolkit checkout: set AI_TOOLKIT_DIR"
-    if not VENV or not PYTHON.is_file():
-        return ("needs AI-Toolkit's Python environment: make one with scripts/aitk_venv.sh DIR and set "
-                "AITK_JOBS_VENV=DIR")
-    return None
-
-
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+pytestmark = pytest.mark.skipif(aitk_jobs_skip_reason() is not None, reason=aitk_jobs_skip_reason() or "")
 
 # A job whose process type imports AI-Toolkit's trainer, and with it toolkit.memory_management: the hook runs
 # there, before any model is loaded.
