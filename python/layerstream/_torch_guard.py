@@ -20,9 +20,12 @@ def mismatch(built: str, running: str | None) -> str | None:
     torch), or None when they match."""
     if running == built:
         return None
-    runs = f"runs torch {running}" if running else "cannot import torch"
-    return (f"{MODULE} was built against torch {built} but this process {runs}; rebuild it in this environment: "
-            "pip install --no-build-isolation --force-reinstall layerstream (from its source directory)")
+    if not running:
+        return (f"{MODULE} was built against torch {built} but this process cannot import torch; install torch "
+                f"{built} (or the layerstream wheel built for the torch you install: docs/install.md)")
+    return (f"{MODULE} was built against torch {built} but this process runs torch {running}; install the "
+            f"layerstream wheel built for torch {running} (docs/install.md), or rebuild it in this environment: "
+            "pip install --no-build-isolation --force-reinstall /path/to/layerstream")
 
 
 class _Refuse(MetaPathFinder):

@@ -105,8 +105,9 @@ void check_torch_version() {
   if (running != built) {
     throw py::import_error("layerstream.manager_modules was built against torch " + built +
                            " but this process runs torch " + running +
-                           "; rebuild it in this environment: pip install --no-build-isolation --force-reinstall "
-                           "layerstream (from its source directory)");
+                           "; install the layerstream wheel built for torch " + running +
+                           " (docs/install.md), or rebuild it in this environment: pip install "
+                           "--no-build-isolation --force-reinstall /path/to/layerstream");
   }
 }
 

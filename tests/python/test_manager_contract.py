@@ -393,7 +393,8 @@ def test_import_refuses_a_different_torch(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode != 0
     assert "built against torch" in result.stderr and "0.0.1" in result.stderr
-    assert "pip install --no-build-isolation --force-reinstall layerstream" in result.stderr
+    assert "install the layerstream wheel built for torch 0.0.1 (docs/install.md)" in result.stderr
+    assert "pip install --no-build-isolation --force-reinstall /path/to/layerstream" in result.stderr
 
 
 def test_the_package_knows_the_extensions_torch_before_loading_it():
