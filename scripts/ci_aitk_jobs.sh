@@ -36,9 +36,12 @@ set +e
   2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
-passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
-failed=$(grep -Eo '[0-9]+ (failed|error)' "$log" | awk '{s+=$1} END {print s+0}')
-skipped=$(grep -Eo '[0-9]+ skipped' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
+# pytest's closing line ("32 passed, 4 deselected in 364.82s"): its counts, 0 for what it does not name (no
+# grep in a pipeline that may find nothing: under pipefail that would end the script before its summary).
+summary="$(grep -E ' in [0-9.]+s' "$log" | tail -n 1 || true)"
+count() { sed -nE "s/.*[^0-9]([0-9]+) $1.*/\1/p" <<<" $summary" | head -n 1; }
+passed="$(count passed)"; failed="$(count failed)"; errors="$(count 'errors?')"; skipped="$(count skipped)"
+passed=${passed:-0}; failed=$(( ${failed:-0} + ${errors:-0} )); skipped=${skipped:-0}
 rm -f "$log"
 echo "ci_aitk_jobs: $(( $(date +%s) - start )) s in all"
 if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then failed=1; fi
