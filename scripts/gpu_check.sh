@@ -32,7 +32,8 @@
 #          under a 24 GiB cap, layerstream alone (LAYERSTREAM_LOSSLESS_RUNS picks; about 5 minutes; flux1flow:
 #          FLUX.1 placed as AI-Toolkit places it, for the host RAM from the attach on)
 #   wheel  the release wheel (scripts/build_wheel.sh, all architectures or LAYERSTREAM_WHEEL_ARCHS) installed in a
-#          fresh venv with no compiler or nvcc on PATH; the GPU tests of the main test files and the demo on it
+#          fresh venv with no compiler or nvcc on PATH; every GPU case (-k cuda, as pycuda; LAYERSTREAM_WHEEL_FILES
+#          narrows it to those test files) and the demo on it
 #   aitkjob  AI-Toolkit's own run.py on generated jobs at full shapes, stock vs layerstream (LAYERSTREAM_AITKJOBS:
 #          ';'-separated argument lists of `layerstream bench aitk-job`; needs .aitk/<commit> and its packages in .whl)
 #   pyfiles  the GPU cases (-k cuda) of the test files in LAYERSTREAM_PY_FILES
@@ -276,8 +277,7 @@ if want wheel; then
   T="$PWD/tests/python"
   run wheel_pytest "${NOCC[@]}" bash -c \
     "cd /tmp && python -X faulthandler -m pytest -q -rs -p no:cacheprovider -k 'cuda and not install_then_uninstall' \
-     $T/test_manager_contract.py $T/test_native_smoke.py $T/test_training_semantics.py $T/test_quantized.py \
-     $T/test_lossless.py $T/test_vram_elastic.py $T/test_ostris_decode.py $T/test_nvfp4_kernels.py"
+     ${LAYERSTREAM_WHEEL_FILES:-$T}"
   grep -E "[0-9]+ passed" "$OUT/all.log" | tail -n 1 | sed 's/^/      /' >>"$OUT/summary.txt"
   run wheel_demo "${NOCC[@]}" bash -c 'cd /tmp && layerstream demo --backend cuda'
 fi
