@@ -19,10 +19,12 @@ LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "debug": logging.DEB
 class OwnLevelLogger(logging.Logger):
     """The ``layerstream`` logger: enabled by its own level alone, whatever ``logging.disable`` says (see the
     module's note), so every route into it (the native core's sink, the torch glue's, Python code) is covered.
-    With ``LAYERSTREAM_LOG=off`` it is an ordinary logger."""
+    With ``LAYERSTREAM_LOG=off`` it is an ordinary logger (``own_level``: decided once, at import)."""
+
+    own_level = True
 
     def isEnabledFor(self, level: int) -> bool:
-        if log_level_setting() is None:
+        if not self.own_level:
             return super().isEnabledFor(level)
         return not self.disabled and level >= self.getEffectiveLevel()
 
@@ -74,6 +76,7 @@ def log_level_setting() -> int | None:
 
 def install_fallback_handler() -> None:
     level = log_level_setting()
+    OwnLevelLogger.own_level = level is not None
     if level is None or any(isinstance(h, FallbackHandler) for h in logger.handlers):
         return
     if logger.level == logging.NOTSET:  # the application's own level for the logger wins

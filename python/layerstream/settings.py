@@ -18,6 +18,7 @@ from typing import Mapping
 from . import _native
 
 _NAME = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_.-]*)\s*=\s*(.*?)\s*$")
+_GLUED = re.compile(r"(?<=\S)(LAYERSTREAM[A-Z0-9_]*)=")
 
 
 @dataclass(frozen=True)
@@ -54,14 +55,18 @@ def _unquote(raw: str) -> str:
     return re.split(r"\s+#", raw, maxsplit=1)[0].strip()
 
 
+def _dotenv_lines(path: Path) -> list[str]:
+    """The lines of a .env file as python-dotenv reads it (UTF-8, Notepad's BOM dropped); none when absent."""
+    try:
+        return path.read_bytes().decode("utf-8-sig", errors="replace").splitlines()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return []
+
+
 def read_dotenv(path: Path) -> dict[str, DotenvEntry]:
     """Every ``NAME=value`` of a .env file, with its line; a name given twice: the last (as python-dotenv)."""
-    try:
-        text = path.read_bytes().decode("utf-8-sig", errors="replace")  # Notepad's BOM, as python-dotenv
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return {}
     entries = {}
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(_dotenv_lines(path), 1):
         if line.lstrip().startswith("#"):
             continue
         match = _NAME.match(line)
@@ -73,13 +78,9 @@ def read_dotenv(path: Path) -> dict[str, DotenvEntry]:
 def glued_lines(path: Path) -> list[str]:
     """Lines where a LAYERSTREAM setting follows other text (``HF_TOKEN=abcLAYERSTREAM_VRAM_BUDGET=auto``: what appending
     to a file without a final newline gives): the setting is then part of the other line's value."""
-    try:
-        text = path.read_bytes().decode("utf-8-sig", errors="replace")  # Notepad's BOM, as python-dotenv
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return []
     found = []
-    for number, line in enumerate(text.splitlines(), 1):
-        match = re.compile(r"(?<=\S)(LAYERSTREAM[A-Z0-9_]*)=").search(line, 1)
+    for number, line in enumerate(_dotenv_lines(path), 1):
+        match = _GLUED.search(line, 1)
         if match is None or line.lstrip().startswith("#"):
             continue
         owner = _NAME.match(line)

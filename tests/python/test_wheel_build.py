@@ -5,6 +5,7 @@ CUDA backend under a CUDA torch. The whole script runs on the GPU machine (scrip
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 import zipfile
@@ -98,6 +99,7 @@ def _configure_with_a_cuda_torch(tmp_path: Path, cuda_setting: str, cudacxx: str
     build's Python reports CUDA 13.0 and points at the real torch's CMake files."""
     import shutil
 
+    import pybind11
     import torch
 
     cmake = shutil.which("cmake")
@@ -110,14 +112,14 @@ def _configure_with_a_cuda_torch(tmp_path: Path, cuda_setting: str, cudacxx: str
         f"__version__ = '{torch.__version__.split('+')[0]}+cu130'\n"
         "version = types.SimpleNamespace(cuda='13.0')\n"
         f"utils = types.SimpleNamespace(cmake_prefix_path={torch.utils.cmake_prefix_path!r})\n")
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("CUDACXX", "CMAKE_ARGS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDACXX", "CMAKE_ARGS")}
     env["PYTHONPATH"] = str(tmp_path / "fake")
     if cudacxx is not None:
         env["CUDACXX"] = cudacxx
     return subprocess.run(
         [cmake, "-S", str(ROOT), "-B", str(tmp_path / "build"), "-G", "Ninja", "-DLAYERSTREAM_BUILD_PYTHON=ON",
          f"-DLAYERSTREAM_CUDA={cuda_setting}", f"-DPython_EXECUTABLE={sys.executable}",
-         f"-DCMAKE_PREFIX_PATH={__import__('pybind11').get_cmake_dir()}"],
+         f"-DCMAKE_PREFIX_PATH={pybind11.get_cmake_dir()}"],
         capture_output=True, text=True, env=env)
 
 
