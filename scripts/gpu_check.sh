@@ -48,6 +48,8 @@
 #          flowcycll/flow2cycll: the same with LAYERSTREAM_HOST_DTYPE=lossless; flow, flow2, pressure and detflow
 #          run the default measure: cycles since 40c26cb, window before; flow2start/flowstart/pressurestart: flow2,
 #          flow and pressure with LAYERSTREAM_VRAM_GAP=start; flow2lend/flowlend/pressurelend: with =lend)
+#   stress AI-Toolkit's flow under a 24 GiB cap with the user's 2, 4 and 8 GiB allocations between and inside
+#          steps (--stress-gb): out-of-memory errors per run (LAYERSTREAM_STRESS_RUNS: auto min stock flow2auto)
 #   rings  FLUX.1-shaped bf16 100% streamed, layerstream alone, at several ring sizes, lookaheads and
 #          placements (LAYERSTREAM_PERF_RINGS="default default:lru 1024 1536x16:lru ...": MiB, x layers,
 #          :fifo or :lru for LAYERSTREAM_RING_POLICY)
@@ -603,6 +605,26 @@ if want lossless && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
       --host-dtype lossless --vram-cap-gb 24 --warmup 3 --steps 3 "${REF2[@]}" "${SWEEP[@]}"
     grep -E "^  layerstream, decode blocks" "$OUT/all.log" | tail -n 8 | sed 's/^/      /' >>"$OUT/summary.txt"
   fi
+fi
+
+if want stress; then
+  # Issue 45's stress: AI-Toolkit's flow (buckets, samples, the model on the GPU before attach) under a 24 GiB
+  # cap with the user's allocations of 2, 4 and 8 GiB in turn, one between steps and one inside each step
+  # (--stress-gb): out-of-memory errors counted per run. LAYERSTREAM_STRESS_RUNS picks among auto (layerstream
+  # LAYERSTREAM_VRAM_BUDGET=auto), min (layerstream's memory-first mode), stock, flow2auto (FLUX.2-shaped, auto).
+  ensure_installed
+  pick_runs stress "${LAYERSTREAM_STRESS_RUNS:-auto,min,stock}" "auto min stock flow2auto"; SRUNS=$PICKED
+  read -r SW SS <<<"${LAYERSTREAM_STRESS_STEPS:-2 6}"
+  SFLOW=(--aitk-flow --vram-cap-gb 24 --warmup "$SW" --steps "$SS" --stress-gb "${LAYERSTREAM_STRESS_GB:-2,4,8}")
+  step "stress: the user's allocations between and inside steps under a 24 GiB cap"
+  [[ $SRUNS == *,auto,* ]] && flux stress_flux1_auto LAYERSTREAM_VRAM_BUDGET=auto --preset flux1 "${SFLOW[@]}" --mode layerstream
+  [[ $SRUNS == *,min,* ]] && flux stress_flux1_min LAYERSTREAM_VRAM_BUDGET=min --preset flux1 "${SFLOW[@]}" --mode layerstream
+  [[ $SRUNS == *,stock,* ]] && flux stress_flux1_stock --preset flux1 "${SFLOW[@]}" --mode stock --offload-percent 0.5
+  [[ $SRUNS == *,flow2auto,* ]] && flux stress_flux2_auto LAYERSTREAM_VRAM_BUDGET=auto --preset flux2 "${SFLOW[@]}" --mode layerstream
+  for f in "$OUT"/stress_*.md; do
+    [[ -e $f ]] && sed -n '/^--stress-gb/,/^$/p' "$f" | grep -E '^  ' | sed "s|^  |      $(basename "$f" .md): |" >>"$OUT/summary.txt"
+  done
+  grep -hE "\] stress: .*out of memory" "$OUT/all.log" | head -n 12 | sed 's/^/      /' >>"$OUT/summary.txt"
 fi
 
 if want mem; then

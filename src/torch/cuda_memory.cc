@@ -15,6 +15,7 @@
 #include <mutex>
 #include <optional>
 
+#include "cuda_allocation_retry.h"
 #include "device_state.h"
 #include "layerstream/vram_budget.h"
 
@@ -75,6 +76,7 @@ void start_window(DeviceState& state) {
   std::call_once(attached, [] {
     alloc::attachAllocatorTraceTracker(&on_trace);
     alloc::attachOutOfMemoryObserver(&on_out_of_memory);
+    install_allocation_retry();
   });
   const c10::DeviceIndex index = state.device().index();
   if (index < 0 || index >= kMostDevices) return;
@@ -224,10 +226,12 @@ class YieldToPressure : public c10::FreeMemoryCallback {
   }
 };
 
-// An allocation that failed all the same (inside a step, larger than the room the plan left): the resident
-// layers are given back now, so that the caller's next try finds their memory (AI-Toolkit's trainer catches
-// an out-of-memory error in a step, empties the cache and goes on with the next step).
+// An allocation that failed all the same (inside a step, larger than the room the plan left) where the
+// allocation retry (cuda_allocation_retry.h) does not catch it (a raw allocation, a torch it does not wrap):
+// the resident layers are given back now, so that the caller's next try finds their memory (AI-Toolkit's
+// trainer catches an out-of-memory error in a step, empties the cache and goes on with the next step).
 void on_out_of_memory(int64_t device, size_t /*alloc*/, size_t /*allowed*/, size_t free_bytes) {
+  if (allocation_retry_armed()) return;  // the wrapper gives back what the allocation needs and tries again
   for (const auto& state : DeviceState::live()) {
     if (state->mode() != Mode::kCuda || state->device().index() != device) continue;
     if (state->pressure_threshold() == 0) continue;
@@ -236,6 +240,13 @@ void on_out_of_memory(int64_t device, size_t /*alloc*/, size_t /*allowed*/, size
 }
 
 }  // namespace
+
+std::size_t room_for_allocation(int device) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  std::size_t whole = 0;
+  (void)free_for_allocation(static_cast<c10::DeviceIndex>(device), nullptr, &whole);
+  return whole;
+}
 
 void install_cuda_memory_probe() {
   DeviceState::set_memory_resolver(&cuda_memory_view, &start_window, &mark_cycle);
@@ -251,6 +262,7 @@ REGISTER_FREE_MEMORY_CALLBACK(layerstream_yield_to_pressure, layerstream::torchg
 
 namespace layerstream::torchglue {
 void install_cuda_memory_probe() {}
+std::size_t room_for_allocation(int) { return 0; }
 }  // namespace layerstream::torchglue
 
 #endif

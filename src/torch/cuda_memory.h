@@ -15,10 +15,15 @@
 // the device states' try-locks only.
 #pragma once
 
+#include <cstddef>
+
 namespace layerstream::torchglue {
 
 // Installs the budget's memory resolver for CUDA devices (DeviceState::set_memory_resolver) and the
 // allocator's trace tracker behind the windowed peak. Idempotent.
 void install_cuda_memory_probe();
+// What one new allocation on CUDA device `device` can still get without a yield: the driver's free memory and
+// torch's wholly free cached segments, within the memory fraction (0 without a CUDA torch).
+std::size_t room_for_allocation(int device);
 
 }  // namespace layerstream::torchglue

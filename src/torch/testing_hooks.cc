@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "cuda_allocation_retry.h"
 #include "device_registry.h"
 #include "host_share.h"
 #include "layerstream/check.h"
@@ -147,6 +148,10 @@ void bind_testing(py::module_& m) {
   bind_simulator(t);
   t.def("parent_process_id", &parent_process_id,
         "The parent process id the share handshake names torchrun's ranks by (os.getppid() in Python).");
+  t.def("allocation_retries", &allocation_retries,
+        "Tensor allocations on a GPU tried again after resident layers were given back (cuda_allocation_retry.h).");
+  t.def("allocation_retry_installed", &allocation_retry_installed,
+        "Whether torch's CUDA allocator is wrapped by the allocation retry in this process.");
   t.def("reset_log_once", &reset_log_once,
         "Forgets which once-only messages this module logged (its own log state, not _native's).");
 }

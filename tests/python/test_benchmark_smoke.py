@@ -160,3 +160,35 @@ def test_stocks_copies_are_counted_per_call_not_estimated(which):
     before = counter.bytes
     b(a(torch.randn(3, 16)) * scale).sum().backward()  # closed: stock's functions are its own again
     assert counter.bytes == before
+
+
+def test_stress_allocations_alternate_between_and_inside_steps_and_count_out_of_memory(monkeypatch):
+    """--stress-gb's schedule (run on the CPU here; the benchmark uses it on a GPU only): even steps allocate
+    inside the middle linear's forward once (a checkpoint's recomputation takes nothing), odd steps before the
+    step, sizes in turn; an out-of-memory error is counted and the step goes on."""
+    import torch
+
+    from layerstream.bench import train
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(3)))
+    stress = train._Stress([1 / 2**30, 2 / 2**30], model, torch.device("cpu"), "test")
+    x = torch.ones(1, 4)
+    stress.before_step(0)
+    model(x)
+    model(x)  # the recomputation: nothing more
+    stress.before_step(1)
+    model(x)
+    real_empty = torch.empty
+
+    def short_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(torch, "empty", short_of_memory)
+    stress.before_step(2)
+    model(x)
+    stress.before_step(3)
+    monkeypatch.setattr(torch, "empty", real_empty)
+    stress.close()
+    model(x)
+    assert stress.result() == {"sizes_gb": [1 / 2**30, 2 / 2**30], "made": {"between": 1, "inside": 1},
+                               "out_of_memory": {"between": 1, "inside": 1}}

@@ -152,6 +152,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="GPU: before step --user-alloc-at the user takes this many GiB of the device, for "
                              "--user-alloc-steps steps (memory pressure)")
     parser.add_argument("--user-alloc-at", type=int, default=4)
+    parser.add_argument("--stress-gb", type=lambda v: [float(f) for f in v.split(",")], default=[],
+                        help="GPU: allocations of these GiB in turn (e.g. 2,4,8), one before every odd step "
+                             "(between steps) and one inside every even step (in the forward of the middle "
+                             "linear), each freed at once; an out-of-memory error is counted and training goes on")
     parser.add_argument("--user-alloc-steps", type=int, default=2)
     parser.add_argument("--force", action="store_true",
                         help=f"run a preset of more than {CPU_LIMIT_BYTES // GiB} GiB of weights without a GPU "

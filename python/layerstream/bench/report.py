@@ -175,7 +175,7 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
         losses += "\n\n" + samples
     # The runs' notes, each printed and kept under the table when there is anything to say.
     for note in (budget_plans(rows), bucket_times(rows, args.warmup, args.buckets) if args.aitk_flow else "",
-                 allocator_churn(rows)):
+                 allocator_churn(rows), stress_outcome(rows)):
         if note:
             print(note)
             losses += "\n\n" + note
@@ -239,6 +239,21 @@ def allocator_churn(rows: list[dict]) -> str:
             f"{total['num_device_free']} cudaFree over {len(per_step)} timed steps (retries per step: "
             f"{', '.join(str(step['num_alloc_retries']) for step in per_step)})")
     return "torch's allocator in the timed steps:\n" + "\n".join(lines) if lines else ""
+
+
+def stress_outcome(rows: list[dict]) -> str:
+    """--stress-gb: per row, the user's allocations made between and inside steps and those that ran out of
+    memory."""
+    lines = []
+    for r in rows:
+        st = r.get("stress") if r.get("status") == "ok" else None
+        if not st:
+            continue
+        made, oom = st["made"], st["out_of_memory"]
+        lines.append(f"  {label(r)}: {made['between']} made / {oom['between']} out of memory between steps, "
+                     f"{made['inside']} made / {oom['inside']} out of memory inside steps "
+                     f"({', '.join(f'{g:g}' for g in st['sizes_gb'])} GiB in turn)")
+    return "--stress-gb, the user's allocations:\n" + "\n".join(lines) if lines else ""
 
 
 def bucket_times(rows: list[dict], warmup: int, buckets: list[float]) -> str:

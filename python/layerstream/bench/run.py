@@ -197,6 +197,7 @@ def _run_mode(args, mode: str, device: torch.device) -> dict:
         "peak_rss_from_attach_bytes": peak_rss_since_reset_bytes(),
         "lossless_pack_times": _lossless_pack_times() if mode == "layerstream" else None,
         "allocator_per_step": steps.allocator,
+        "stress": steps.stress,
     }
     if sweep is not None:
         row["decode_blocks_sweep"] = sweep

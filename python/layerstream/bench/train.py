@@ -31,6 +31,58 @@ class Steps:
     # torch's allocator in each timed step (measure.ALLOCATOR_COUNTERS; None off CUDA): retries mean the step
     # ran against the memory limit and the allocator emptied its cache to go on.
     allocator: list | None = None
+    # --stress-gb: the allocations made between and inside steps, and those that ran out of memory.
+    stress: dict | None = None
+
+
+class _Stress:
+    """--stress-gb: the user's allocations between and inside steps. Before every odd step one of the sizes (in
+    turn) is allocated and freed; inside every even step one is allocated and freed in the forward of the model's
+    middle linear (once a step: a checkpointed block's recomputation is skipped). An out-of-memory error is
+    caught, counted and printed; the step goes on."""
+
+    def __init__(self, sizes_gb, model, device, mode):
+        self.sizes, self.device, self.mode = sizes_gb, device, mode
+        self.made = {"between": 0, "inside": 0}
+        self.ooms = {"between": 0, "inside": 0}
+        self.turn = 0
+        self.pending = None  # the size the current step's forward takes, until it has
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        self.hook = linears[len(linears) // 2].register_forward_pre_hook(self._inside) if linears else None
+
+    def _take(self, gib: float, where: str, step: int) -> None:
+        try:
+            block = torch.empty(int(gib * GiB), dtype=torch.uint8, device=self.device)
+            block[-1] = 1  # touched: the memory is really there
+            del block
+            self.made[where] += 1
+        except torch.OutOfMemoryError:
+            self.ooms[where] += 1
+            print(f"[{self.mode}] stress: {gib:g} GiB {where} step {step} ran out of memory", flush=True)
+
+    def _next_size(self) -> float:
+        gib = self.sizes[self.turn % len(self.sizes)]
+        self.turn += 1
+        return gib
+
+    def _inside(self, module, args):
+        if self.pending is not None:
+            gib, step, self.pending = self.pending[0], self.pending[1], None
+            self._take(gib, "inside", step)
+
+    def before_step(self, step: int) -> None:
+        self.pending = None
+        if step % 2 == 1:
+            self._take(self._next_size(), "between", step)
+        else:
+            self.pending = (self._next_size(), step)
+
+    def close(self) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+
+    def result(self) -> dict:
+        return {"sizes_gb": self.sizes, "made": self.made, "out_of_memory": self.ooms}
 
 
 class Trainer:
@@ -84,10 +136,13 @@ class Trainer:
         user_memory = []  # --user-alloc-gb: what "the user" holds on the device between some steps
         sample_bytes, sample_wait_us, samples = 0.0, 0.0, 0  # --aitk-flow's samples in the timed window (Steps)
         allocator = []  # torch's allocator in each timed step (Steps.allocator)
+        stress = _Stress(args.stress_gb, self.model, device, mode) if args.stress_gb and device.type == "cuda" else None
         if args.aitk_flow:
             self.sample()  # AI-Toolkit samples before its first step by default
         for step in range(args.warmup + args.steps):
             self.current = self.bucket_imgs[step % len(self.bucket_imgs)]
+            if stress is not None:
+                stress.before_step(step)
             if args.user_alloc_gb and device.type == "cuda":
                 if step == args.user_alloc_at:
                     user_memory.append(torch.empty(int(args.user_alloc_gb * GiB), dtype=torch.uint8, device=device))
@@ -123,6 +178,8 @@ class Trainer:
                     sample_wait_us += after.get("copy_wait_us", 0) - before.get("copy_wait_us", 0)
                     samples += 1
         user_memory.clear()
+        if stress is not None:
+            stress.close()
         self.current = self.img
         energy_end = nvml.energy_mj() if nvml is not None else None
         # The counters at the end of the timed steps: the steps after these copy too, and counting them would
@@ -131,7 +188,8 @@ class Trainer:
         joules_per_step = ((energy_end - energy_start) / 1e3 / len(times)
                            if energy_start is not None and energy_end is not None else None)
         return Steps(losses, times, stats_at_start, stats_end, joules_per_step, sample_bytes, samples,
-                     sample_wait_us, allocator if device.type == "cuda" else None)
+                     sample_wait_us, allocator if device.type == "cuda" else None,
+                     stress.result() if stress is not None else None)
 
     def decode_blocks_sweep(self, mode: str) -> list[dict] | None:
         """--decode-blocks-sweep: after the timed steps, the same model again at each limit on the lossless
