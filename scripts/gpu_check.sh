@@ -28,6 +28,9 @@
 #          plus the two-process pytest of the shared copy on NCCL
 #   perf   FLUX.1-shaped: resident vs streamed bf16, streamed with float8 host storage, and stock vs
 #          layerstream under a 24 GiB cap with that cap as layerstream's VRAM budget
+#   defaults  issue 45: layerstream's default (LAYERSTREAM_HOST_DTYPE=auto) against the previous one (same) and
+#          stock on one machine, with the floor breakdown (LAYERSTREAM_DEFAULTS_RUNS: flux1, flux1det, flux1cap,
+#          flux2cap)
 #   lossless  LAYERSTREAM_HOST_DTYPE=lossless: the decoder's bandwidth, FLUX.1 100% streamed and FLUX.2
 #          under a 24 GiB cap, layerstream alone (LAYERSTREAM_LOSSLESS_RUNS picks; about 5 minutes; flux1flow:
 #          FLUX.1 placed as AI-Toolkit places it, for the host RAM from the attach on)
@@ -171,6 +174,8 @@ summarize_rows() {  # summarize_rows MD LABEL
     | sed "s/^  /      $2 by bucket: /" >>"$OUT/summary.txt"
   sed -n "/^torch's allocator in the timed steps:/,/^\$/p" "$1" 2>/dev/null | grep -E "^  " \
     | sed "s/^  /      $2 allocator: /" >>"$OUT/summary.txt"
+  sed -n "/^floor breakdown/,/^\$/p" "$1" 2>/dev/null | grep -E "^  " \
+    | sed "s/^  /      $2 floor: /" >>"$OUT/summary.txt"
 }
 # One flux_bench.py run on AI-Toolkit's manager (the first checkout of AI_TOOLKIT_DIR) as step NAME: its
 # table and JSON as $OUT/NAME.md and $OUT/NAME.json, its result rows into the summary. Leading VAR=VALUE
@@ -554,6 +559,38 @@ if want perf2 && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
     envs=(LAYERSTREAM_VRAM_BUDGET=24GiB)
     [[ $ring != plan ]] && envs+=(LAYERSTREAM_RING_MB="$ring")
     flux "perf2_ring$ring" "${envs[@]}" "${F2[@]}" --mode layerstream --vram-cap-gb 24
+  done
+fi
+
+if want defaults && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
+  # Issue 45's evidence: the default (LAYERSTREAM_HOST_DTYPE=auto) against the previous default (same) and stock,
+  # on one machine, each row with its floor breakdown (LAYERSTREAM_DEFAULTS_RUNS picks): flux1 (100% streamed:
+  # resident, stock, same, then auto; about 5 min), flux1det (deterministic kernels, same vs auto: losses bitwise
+  # equal; 2 min), flux1cap (24 GiB cap, VRAM budget auto: stock, same, auto; 4 min), flux2cap (FLUX.2 under 24 GiB,
+  # budget auto: stock, same, auto; about 9 min: a call of its own).
+  ensure_installed
+  pick_runs defaults "${LAYERSTREAM_DEFAULTS_RUNS:-flux1,flux1det}" "flux1 flux1det flux1cap flux2cap"; DRUNS=$PICKED
+  DB=(--warmup 2 --steps 3)
+  if [[ $DRUNS == *,flux1,* ]]; then
+    step "FLUX.1 100% streamed: resident, stock, layerstream same (the previous default)"
+    flux defaults_flux1_same --preset flux1 "${DB[@]}" --mode resident,stock,layerstream --host-dtype same
+    step "FLUX.1 100% streamed: layerstream at default settings (auto)"
+    flux defaults_flux1_auto --preset flux1 "${DB[@]}" --mode layerstream --reference-json "$OUT/defaults_flux1_same.json"
+  fi
+  if [[ $DRUNS == *,flux1det,* ]]; then
+    step "FLUX.1 100% streamed, deterministic kernels: same against auto"
+    flux defaults_flux1det_same --preset flux1 "${DB[@]}" --deterministic --mode layerstream --host-dtype same
+    flux defaults_flux1det_auto --preset flux1 "${DB[@]}" --deterministic --mode layerstream
+    compare_losses "$OUT/defaults_flux1det_same.json" "$OUT/defaults_flux1det_auto.json"
+  fi
+  for item in flux1cap flux2cap; do
+    [[ $DRUNS == *,$item,* ]] || continue
+    P=flux1; [[ $item == flux2cap ]] && P=flux2
+    step "$P under a 24 GiB cap, VRAM budget auto: stock, layerstream same, then auto"
+    flux "defaults_${item}_same" LAYERSTREAM_VRAM_BUDGET=auto --preset "$P" --vram-cap-gb 24 "${DB[@]}" \
+      --mode stock,layerstream --host-dtype same
+    flux "defaults_${item}_auto" LAYERSTREAM_VRAM_BUDGET=auto --preset "$P" --vram-cap-gb 24 "${DB[@]}" \
+      --mode layerstream
   done
 fi
 

@@ -62,7 +62,8 @@ struct SettingSpec {
 constexpr unsigned kMostDecodeBlocks = 1u << 16;  // LAYERSTREAM_DECODE_BLOCKS: the decode kernel's own limit
 
 enum class CpuBackend { kCpu, kSim };  // LAYERSTREAM_BACKEND: how a CPU process device runs
-enum class HostDtype { kSame, kLossless, kFloat8E4M3, kFloat8E5M2 };
+// LAYERSTREAM_HOST_DTYPE; kAuto: lossless or as they are, per device and weight (host_form.h)
+enum class HostDtype { kAuto, kSame, kLossless, kFloat8E4M3, kFloat8E5M2 };
 enum class ShareHost { kAuto, kOn, kOff };
 enum class VramPeak { kWindow, kCycles };  // LAYERSTREAM_VRAM_PEAK: how the budget measures a step's peak
 // LAYERSTREAM_VRAM_GAP: where a gap's quarter is, or (kLend) whether the plan lends it to resident layers
@@ -78,7 +79,7 @@ struct Settings {
   VramBudget vram_budget;                          // LAYERSTREAM_VRAM_BUDGET
   VramPeak vram_peak = VramPeak::kCycles;          // LAYERSTREAM_VRAM_PEAK
   VramGap vram_gap = VramGap::kQuarterAtPeak;      // LAYERSTREAM_VRAM_GAP
-  HostDtype host_dtype = HostDtype::kSame;         // LAYERSTREAM_HOST_DTYPE
+  HostDtype host_dtype = HostDtype::kAuto;         // LAYERSTREAM_HOST_DTYPE
   bool ostris_decode = true;                       // LAYERSTREAM_OSTRIS_DECODE
   ShareHost share_host = ShareHost::kAuto;         // LAYERSTREAM_SHARE_HOST
   double share_timeout_s = 600;                    // LAYERSTREAM_SHARE_TIMEOUT_S

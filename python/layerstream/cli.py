@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--weights-gb", type=float,
                      help="the managed weights' size in GiB (e.g. 22 for FLUX.1, 60 for FLUX.2 in bf16), "
                           "checked against host RAM")
-    sub.add_argument("--host-dtype", choices=["same", "lossless", "float8_e4m3fn", "float8_e5m2"],
+    sub.add_argument("--host-dtype", choices=["same", "lossless", "float8_e4m3fn", "float8_e5m2", "auto"],
                      help="the form the weights are kept in on the host (default: LAYERSTREAM_HOST_DTYPE as set)")
     return parser
 

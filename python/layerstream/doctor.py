@@ -111,13 +111,14 @@ def host_ram() -> tuple[int, int] | None:
 
 # Host bytes per byte of bf16 weights, in each form LAYERSTREAM_HOST_DTYPE chooses (docs/ai-toolkit.md):
 # as they are, pinned; lossless, the packed bytes only, pinned (0.751 measured on the FLUX shapes; the
-# Parameter is a PackedWeight); float8, half the bytes pinned plus the Parameter's exact copy, pageable.
-HOST_BYTES_PER_WEIGHT_BYTE = {"same": 1.0, "lossless": 0.76, "float8_e4m3fn": 1.5, "float8_e5m2": 1.5}
+# Parameter is a PackedWeight); float8, half the bytes pinned plus the Parameter's exact copy, pageable; auto
+# (the default) at most as they are: it packs bfloat16 weights of 1 MiB or more where this machine can.
+HOST_BYTES_PER_WEIGHT_BYTE = {"same": 1.0, "lossless": 0.76, "float8_e4m3fn": 1.5, "float8_e5m2": 1.5, "auto": 1.0}
 
 
 def chosen_host_dtype() -> str:
     """LAYERSTREAM_HOST_DTYPE as this process sets it, else as layerstream's settings have it (AI-Toolkit's
-    .env, where the extension resolves it); "same" when unset or not a known form."""
+    .env, where the extension resolves it); "auto" (the default) when unset or not a known form."""
     value = os.environ.get("LAYERSTREAM_HOST_DTYPE", "").strip().lower()
     if not value:
         try:
@@ -125,8 +126,8 @@ def chosen_host_dtype() -> str:
 
             value = manager_modules.settings()["host_dtype"]
         except Exception:  # the extension does not load, or a setting is invalid
-            value = "same"
-    return value if value in HOST_BYTES_PER_WEIGHT_BYTE else "same"
+            value = "auto"
+    return value if value in HOST_BYTES_PER_WEIGHT_BYTE else "auto"
 
 
 def _host_ram_line(weights_gb: float | None, host_dtype: str = "same") -> Line:
@@ -142,7 +143,8 @@ def _host_ram_line(weights_gb: float | None, host_dtype: str = "same") -> Line:
     # The weights in the chosen form, plus what the trainer itself holds.
     need = weights_gb * GiB * factor * 1.1
     verdict = "OK" if available >= need else ("WARN" if total >= need else "FAIL")
-    form = "as they are" if host_dtype == "same" else f"LAYERSTREAM_HOST_DTYPE={host_dtype}"
+    form = {"same": "as they are", "auto": "as they are at most (LAYERSTREAM_HOST_DTYPE=auto packs bfloat16 "
+            "weights where this machine can: then about 0.76x)"}.get(host_dtype, f"LAYERSTREAM_HOST_DTYPE={host_dtype}")
     detail += (f"; {weights_gb:g} GiB of bf16 weights, {form}, need about {need / GiB:.1f} GiB "
                f"({factor:g}x the weights plus 10%)")
     lossless_need = weights_gb * GiB * HOST_BYTES_PER_WEIGHT_BYTE["lossless"] * 1.1

@@ -108,13 +108,16 @@ const Entry kEntries[] = {
     "binary: 24GB is 24x2^30 bytes) or a number of bytes",
     "auto", "device memory that layers may stay in after the first training step; the rest stream"},
    [](Settings& s, const std::string& t) { return store(s.vram_budget, VramBudget::parse(t)); }},
-  {{"LAYERSTREAM_HOST_DTYPE", "choice", kUser, true, "same",
+  {{"LAYERSTREAM_HOST_DTYPE", "choice", kUser, true, "auto",
+    "auto (lossless for frozen bfloat16 weights of 1 MiB or more where this device and host can decode and "
+    "pack them, the rest as they are; an INFO line says which), "
     "same (weights as they are), lossless (bfloat16 weights packed exactly, about 0.75x their bytes) or "
     "float8_e4m3fn or float8_e5m2 (8-bit codes with a scale per output channel: half the bytes to copy, "
     "not exact; host RAM 1.5x the bfloat16 weights)",
     "lossless", "the form frozen weights are kept in on the host and copied to the device in"},
    [](Settings& s, const std::string& t) {
-     const std::map<std::string, HostDtype> forms = {{"same", HostDtype::kSame},
+     const std::map<std::string, HostDtype> forms = {{"auto", HostDtype::kAuto},
+                                                     {"same", HostDtype::kSame},
                                                      {"lossless", HostDtype::kLossless},
                                                      {"float8_e4m3fn", HostDtype::kFloat8E4M3},
                                                      {"float8_e5m2", HostDtype::kFloat8E5M2}};
@@ -258,6 +261,7 @@ const std::set<std::string>& tool_names() {
       "LAYERSTREAM_GTEST_SOURCE", "LAYERSTREAM_TEST_BUILD", "LAYERSTREAM_TEST_DEADLINE_S", "LAYERSTREAM_SANITIZER_S",
       "LAYERSTREAM_REUSE_INSTALL", "LAYERSTREAM_SWEEP", "LAYERSTREAM_PERF_RINGS", "LAYERSTREAM_PERF_BUDGET",
       "LAYERSTREAM_PERF2_RUNS", "LAYERSTREAM_PERF2_RINGS", "LAYERSTREAM_LOSSLESS_RUNS", "LAYERSTREAM_LOSSLESS_ENVS",
+      "LAYERSTREAM_DEFAULTS_RUNS",
       "LAYERSTREAM_QUANTO_RUNS", "LAYERSTREAM_DECODE_SWEEP", "LAYERSTREAM_BENCH_PRESET", "LAYERSTREAM_BENCH_CAP_GB",
       "LAYERSTREAM_REFERENCE_JSON", "LAYERSTREAM_REFERENCE_JSON_FLUX1", "LAYERSTREAM_REFERENCE_JSON_FLUX2",
       "LAYERSTREAM_MEM_RUNS", "LAYERSTREAM_PY_FILES", "LAYERSTREAM_AITKMM", "LAYERSTREAM_AITKMM_DIR",

@@ -38,9 +38,10 @@ const char* host_dtype_name(HostDtype d) {
     case HostDtype::kLossless: return "lossless";
     case HostDtype::kFloat8E4M3: return "float8_e4m3fn";
     case HostDtype::kFloat8E5M2: return "float8_e5m2";
-    case HostDtype::kSame: break;
+    case HostDtype::kSame: return "same";
+    case HostDtype::kAuto: break;
   }
-  return "same";
+  return "auto";
 }
 
 py::dict settings_dict() {

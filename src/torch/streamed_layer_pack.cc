@@ -13,6 +13,9 @@
 #include <vector>
 
 #include "layerstream/check.h"
+#include "layerstream/host_form.h"
+#include "layerstream/log.h"
+#include "layerstream/lossless.h"
 #include "streamed_layer_internal.h"
 
 namespace layerstream::torchglue {
@@ -31,15 +34,33 @@ using Packed = StreamedLayer::Packed;
 struct HostStorage {
   std::optional<at::ScalarType> float8;  // 8-bit codes with a float32 scale per output channel (lossy)
   bool lossless = false;                  // bfloat16 weights packed exactly (lossless.h)
+  std::optional<HostFormChoice> automatic;  // auto: lossless only for the weights auto_packs_weight takes
   bool any() const { return float8.has_value() || lossless; }
 };
 
-HostStorage host_storage_setting() {
+// auto's choice for a device of this mode (host_form.h), its INFO line said once per process (once per
+// distinct line: a process with a simulated and a CUDA device hears both).
+HostFormChoice auto_host_form(Mode mode) {
+  HostFormFacts facts;
+  facts.simulated = mode != Mode::kCuda;
+#if defined(LAYERSTREAM_WITH_CUDA) && defined(LAYERSTREAM_TORCH_CUDA)
+  facts.decoder = true;
+#else
+  facts.decoder = facts.simulated;  // the host reference decodes for the simulator and the CPU
+#endif
+  facts.encoder_threads = lossless_threads();
+  HostFormChoice choice = choose_auto_host_form(facts);
+  log_once("host-dtype-auto " + choice.reason, LogLevel::kInfo, choice.reason);
+  return choice;
+}
+
+HostStorage host_storage_setting(Mode mode) {
   HostStorage h;
   const HostDtype d = Settings::current()->host_dtype;
   if (d == HostDtype::kFloat8E4M3) h.float8 = at::kFloat8_e4m3fn;
   if (d == HostDtype::kFloat8E5M2) h.float8 = at::kFloat8_e5m2;
-  h.lossless = d == HostDtype::kLossless;
+  if (d == HostDtype::kAuto) h.automatic = auto_host_form(mode);
+  h.lossless = d == HostDtype::kLossless || (h.automatic && h.automatic->lossless);
   return h;
 }
 
@@ -110,7 +131,8 @@ HostTakes host_takes(const at::Tensor& weight, const HostStorage& host, bool dec
   // compute with other kernels than the plain path), within the encoding's 32-bit indices, where a
   // decoder runs. Others are stored as they are.
   takes.lossless = host.lossless && weight.numel() > 0 && wt == at::kBFloat16 && weight.is_contiguous() &&
-                   static_cast<std::size_t>(weight.numel()) <= kLosslessMaxCount && decoder;
+                   static_cast<std::size_t>(weight.numel()) <= kLosslessMaxCount && decoder &&
+                   (!host.automatic || auto_packs_weight(*host.automatic, true, weight.nbytes()));
   return takes;
 }
 
@@ -262,8 +284,9 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias, bool 
                "managed layer holds and that was written or unfrozen; give this layer a plain Parameter of its own: "
                "layer.weight = torch.nn.Parameter(layer.weight.clone(), requires_grad=...)");
   const at::Tensor values = is_python_tensor(weight) ? given : weight;
-  const HostStorage host = host_storage_setting();
-  const bool decoder = host.lossless && lossless_decoder_here();  // may log: before the lock
+  const HostStorage host = host_storage_setting(state_->mode());  // may log: before the lock
+  // auto's choice took the decoder into account; an explicit lossless warns where there is none.
+  const bool decoder = host.lossless && (host.automatic || lossless_decoder_here());
   std::lock_guard<std::mutex> lock(mu_);
   const HostTakes takes = host_takes(weight, host, decoder);
   StoredWeight stored = stored_form(values, weight, host, takes);

@@ -31,6 +31,9 @@ def test_small_preset_runs_and_reports(tmp_path, mode):
     [row] = json.loads(out.read_text())["results"]
     assert row["mode"] == mode and row["status"] == "ok"
     assert len(row["losses"]) == 2
+    if row["device"] == "cpu":  # the floor breakdown needs CUDA's profiler activity; the row and the print say so
+        assert row["floor_breakdown"] == {"status": "not measured: no CUDA"}
+        assert f"  {mode} ({row['s_per_step_mean']:.3f} s/step): not measured: no CUDA" in result.stdout
 
 
 def test_flux2_shapes_and_options_run_in_one_call(tmp_path):

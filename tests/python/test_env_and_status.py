@@ -138,7 +138,7 @@ def test_status_says_where_each_value_comes_from_and_lists_only_what_users_set(r
     assert lines[lines.index("settings") + 1:] == [
         "  LAYERSTREAM                   unset: 1",
         "  LAYERSTREAM_VRAM_BUDGET=24GB  .env line 1",
-        "  LAYERSTREAM_HOST_DTYPE        unset: same",
+        "  LAYERSTREAM_HOST_DTYPE        unset: auto",
         "  LAYERSTREAM_LOG=info          the environment",
         "  LAYERSTREAM_RING_MB=3072      the environment",
     ]

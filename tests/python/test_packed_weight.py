@@ -252,6 +252,12 @@ def test_doctor_checks_the_ram_for_the_weights_in_the_chosen_form(monkeypatch):
     tight = doctor._host_ram_line(75, "lossless")  # 62.7 GiB: more than available, less than the total
     assert tight.verdict == "WARN" and "do not fit in the RAM available" in tight.detail
     assert doctor._host_ram_line(60, "float8_e4m3fn").verdict == "FAIL"  # 1.5x: float8 keeps the exact copy too
+    # auto, the default: checked as they are (at most), the packed form named and suggested
+    automatic = doctor._host_ram_line(60, "auto")
+    assert automatic.verdict == "FAIL" and "as they are at most (LAYERSTREAM_HOST_DTYPE=auto packs" in automatic.detail
+    assert "LAYERSTREAM_HOST_DTYPE=lossless (exact) would need about 50.2 GiB, which is available" in automatic.detail
+    monkeypatch.delenv("LAYERSTREAM_HOST_DTYPE", raising=False)
+    assert doctor.chosen_host_dtype() == "auto"
     monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "lossless")
     assert doctor.chosen_host_dtype() == "lossless"
     with pytest.raises(ValueError, match="--host-dtype must be one of same, lossless"):

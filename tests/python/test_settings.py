@@ -84,10 +84,11 @@ def test_refusals_read_as_written():
         "1 MiB to 1 PiB such as 24G, 24GB, 24GiB or '24 GiB' (case-insensitive, binary: 24GB is 24x2^30 bytes) or "
         "a number of bytes, e.g. LAYERSTREAM_VRAM_BUDGET=auto (unset: min)")
     assert _native.setting_refusal("LAYERSTREAM_HOST_DTYPE", "fp8") == (
-        "LAYERSTREAM_HOST_DTYPE=fp8 is not accepted; it takes same (weights as they are), lossless (bfloat16 "
-        "weights packed exactly, about 0.75x their bytes) or float8_e4m3fn or float8_e5m2 (8-bit codes with a "
-        "scale per output channel: half the bytes to copy, not exact; host RAM 1.5x the bfloat16 weights), e.g. "
-        "LAYERSTREAM_HOST_DTYPE=lossless (unset: same)")
+        "LAYERSTREAM_HOST_DTYPE=fp8 is not accepted; it takes auto (lossless for frozen bfloat16 weights of 1 MiB "
+        "or more where this device and host can decode and pack them, the rest as they are; an INFO line says "
+        "which), same (weights as they are), lossless (bfloat16 weights packed exactly, about 0.75x their bytes) or "
+        "float8_e4m3fn or float8_e5m2 (8-bit codes with a scale per output channel: half the bytes to copy, not "
+        "exact; host RAM 1.5x the bfloat16 weights), e.g. LAYERSTREAM_HOST_DTYPE=lossless (unset: auto)")
     assert _native.setting_refusal("LAYERSTREAM_VRAM_BUDGE", "auto", ".env line 4") == (
         "LAYERSTREAM_VRAM_BUDGE=auto (.env line 4) is not a layerstream setting; did you mean "
         "LAYERSTREAM_VRAM_BUDGET? (the settings: docs/ai-toolkit.md, \"Modes and settings\")")

@@ -23,12 +23,14 @@ from .presets import DTYPE, PRESETS, build_model, preset_weight_bytes
 from .quant import quantize_model
 from .report import add_floors, budget_plans, markdown_table, phase_floor, reference_row, report
 from .run import load_engine, run_mode
-from .timeline import profile_timeline
+from .floor import breakdown, profile_step
+from .timeline import draw_timeline
 
 __all__ = [
     "CPU_LIMIT_BYTES", "DTYPE", "GiB", "MODES", "PRESETS", "DoubleStreamBlock", "FluxConfig", "FluxShapedTransformer",
-    "LoRAModule", "SingleStreamBlock", "StockCopyCounter", "add_floors", "apply_lora", "budget_plans", "build_model",
+    "LoRAModule", "SingleStreamBlock", "StockCopyCounter", "add_floors", "apply_lora", "breakdown", "budget_plans",
+    "build_model", "draw_timeline",
     "layerstream_stats", "load_engine", "main", "managed_tensors", "markdown_table", "measure_h2d_bytes_per_s",
-    "parse_args", "peak_rss_bytes", "phase_floor", "phase_split", "preset_weight_bytes", "profile_timeline",
+    "parse_args", "peak_rss_bytes", "phase_floor", "phase_split", "preset_weight_bytes", "profile_step",
     "quantize_model", "reference_row", "report", "run_all", "run_mode", "stock_pinned_bytes", "stored_tensors",
 ]

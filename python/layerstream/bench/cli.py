@@ -113,10 +113,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="quantize every linear's weight in every mode (frozen): qfloat8 or qint8 with "
                              "optimum-quanto, float8 with torchao's Float8WeightOnlyConfig (what AI-Toolkit uses "
                              "with layer_offloading)")
-    parser.add_argument("--host-dtype", choices=("lossless", "float8_e4m3fn", "float8_e5m2"),
-                        help="layerstream mode only: LAYERSTREAM_HOST_DTYPE, frozen weights kept and streamed "
-                             "packed exactly in about 12 bits per value (lossless) or as 8-bit codes with a scale "
-                             "per output channel (float8; the other modes stream bf16)")
+    parser.add_argument("--host-dtype", choices=("auto", "same", "lossless", "float8_e4m3fn", "float8_e5m2"),
+                        help="layerstream mode only: LAYERSTREAM_HOST_DTYPE (unset: the environment's, else auto, "
+                             "the default), frozen weights kept and streamed as they are (same), packed exactly in "
+                             "about 12 bits per value (lossless; auto for bfloat16 weights of 1 MiB or more) or as "
+                             "8-bit codes with a scale per output channel (float8; the other modes stream bf16)")
     parser.add_argument("--decode-blocks-sweep",
                         help="with --host-dtype lossless: after the timed steps, --steps more at each of these "
                              "limits on the decode's thread blocks (comma-separated; 0: no limit), in one process")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import sweep
+from . import floor, sweep
 from .measure import GiB
 from .presets import PRESETS
 
@@ -47,6 +47,10 @@ def add_floors(rows: list[dict], h2d_bytes_per_s: float | None, reference: dict 
         row["phase_floor_s"] = phase_floor(resident, row, h2d_bytes_per_s)
         row["ratio_to_phase_floor"] = (row["s_per_step_mean"] / row["phase_floor_s"]
                                        if row["phase_floor_s"] else None)
+        activity = row.get("floor_activity")
+        row["floor_breakdown"] = (
+            {"status": f"not measured: {activity['error']}"} if activity and "error" in activity
+            else floor.breakdown(activity, h2d_bytes_per_s, t_compute, row["s_per_step_mean"]))
     return t_compute
 
 
@@ -174,8 +178,9 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
         print(samples)
         losses += "\n\n" + samples
     # The runs' notes, each printed and kept under the table when there is anything to say.
-    for note in (budget_plans(rows), bucket_times(rows, args.warmup, args.buckets) if args.aitk_flow else "",
-                 allocator_churn(rows), stress_outcome(rows)):
+    for note in (floor_breakdowns(rows), budget_plans(rows),
+                 bucket_times(rows, args.warmup, args.buckets) if args.aitk_flow else "", allocator_churn(rows),
+                 stress_outcome(rows)):
         if note:
             print(note)
             losses += "\n\n" + note
@@ -200,6 +205,15 @@ def report(args, rows: list[dict], h2d_bytes_per_s: float | None, t_compute: flo
             f"{quantized}\n\n"
             f"{table}\n\n{summary}\n\nlosses per step (warmup included):\n\n{losses}\n"
         )
+
+
+def floor_breakdowns(rows: list[dict]) -> str:
+    """One line per finished row: its s/step beside the floor breakdown of one more, profiled step (floor.py)."""
+    lines = [floor.describe(f"{label(r)} ({r['s_per_step_mean']:.3f} s/step)", r["floor_breakdown"],
+                            r.get("copy_wait_ms_per_step"))
+             for r in rows if r.get("status") == "ok" and r.get("floor_breakdown")]
+    return ("floor breakdown (one more step under the profiler; the items sum to the gap):\n" + "\n".join(lines)
+            if lines else "")
 
 
 def budget_plans(rows: list[dict]) -> str:

@@ -180,7 +180,7 @@ def _run_mode(args, mode: str, device: torch.device) -> dict:
         steps = trainer.run(mode, counters)
         phases = trainer.phase_split(counters if steps.stats_end is not None else None)
         sweep = trainer.decode_blocks_sweep(mode)
-        timeline = trainer.timeline(mode)
+        floor_activity, timeline = trainer.profiled_step(mode)
     finally:
         if stock_counter is not None:
             stock_counter.close()
@@ -192,7 +192,7 @@ def _run_mode(args, mode: str, device: torch.device) -> dict:
         "place_s": place_s, "peak_vram_allocated_bytes": None, "peak_vram_reserved_bytes": None,
         "peak_rss_bytes": peak_rss_bytes(), "pinned_bytes": None, "pinned_bytes_exact": None,
         "bytes_per_step": None, "engine_stats": None, "joules_per_step": steps.joules_per_step,
-        "timeline": timeline, "phases": phases, "aitk_flow": bool(args.aitk_flow), "attach_s": attach_s,
+        "timeline": timeline, "floor_activity": floor_activity, "phases": phases, "aitk_flow": bool(args.aitk_flow), "attach_s": attach_s,
         # The peak from the attach on (None where the platform cannot reset the peak: then peak_rss_bytes only).
         "peak_rss_from_attach_bytes": peak_rss_since_reset_bytes(),
         "lossless_pack_times": _lossless_pack_times() if mode == "layerstream" else None,

@@ -1,74 +1,22 @@
-"""One step under torch.profiler: when the bus copied and when the GPU computed, drawn and summed."""
+"""One profiled step drawn: when the bus copied and when the GPU computed (floor.profile_step's spans)."""
 
 from __future__ import annotations
 
-import json
-import tempfile
 from pathlib import Path
 
-import torch
-
-from .measure import _sync
+from .floor import union
 
 
-def _busy(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The union of (start, end) intervals, sorted and merged."""
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    total, j = 0.0, 0
-    for start, end in a:
-        while j < len(b) and b[j][1] <= start:
-            j += 1
-        k = j
-        while k < len(b) and b[k][0] < end:
-            total += min(end, b[k][1]) - max(start, b[k][0])
-            k += 1
-    return total
-
-
-def profile_timeline(step, device: torch.device, png: Path, title: str) -> dict:
-    """Runs `step` once under torch.profiler (CUDA activity: every kernel and every copy of the process,
-    layerstream's own streams included), draws copies against kernels over the step into `png`, and returns
-    the busy times in ms: copies, kernels, both at once, and the step's span."""
-    from torch.profiler import ProfilerActivity, profile
-
-    _sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # device activity only: a small trace
-        step()
-        _sync(device)
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text()).get("traceEvents", [])
-    copies, kernels = [], []
-    for e in events:
-        if e.get("ph") != "X" or "dur" not in e:
-            continue
-        span = (float(e["ts"]) / 1e3, (float(e["ts"]) + float(e["dur"])) / 1e3)  # ms
-        if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", ""):
-            copies.append(span)
-        elif e.get("cat") == "kernel":
-            kernels.append(span)
-    if not copies and not kernels:
-        return {"error": "the profiler recorded no device activity"}
-    t0 = min(s for s, _ in copies + kernels)
-    copies = [(s - t0, e - t0) for s, e in copies]
-    kernels = [(s - t0, e - t0) for s, e in kernels]
-    busy_c, busy_k = _busy(copies), _busy(kernels)
+def draw_timeline(activity: dict, spans: dict, png: Path, title: str) -> dict:
+    """Draws copies against kernels (layerstream's decodes among them) over the profiled step into `png`, and
+    returns the busy times in ms: copies, kernels, both at once, and the span of the step's device activity."""
+    copies, kernels = spans["copies"], spans["compute"] + spans["decode"]
+    busy_c, busy_k = union(copies), union(kernels)
     summary = {
         "span_ms": max(e for _, e in copies + kernels),
-        "copy_busy_ms": sum(e - s for s, e in busy_c),
-        "kernel_busy_ms": sum(e - s for s, e in busy_k),
-        "both_ms": _overlap(busy_c, busy_k),
-        "copies": len(copies), "kernels": len(kernels), "png": str(png),
+        "copy_busy_ms": activity["copy_busy_ms"], "kernel_busy_ms": activity["kernel_busy_ms"],
+        "both_ms": activity["both_ms"], "copies": activity["copies"], "kernels": activity["kernels"],
+        "png": str(png),
     }
     try:
         import matplotlib

@@ -1,5 +1,5 @@
 """The training of one mode on its placed model: LoRA steps as AI-Toolkit's trainer takes them (warm-up, then
-timed), the phase split, the decode-blocks sweep and the profiled step that follow them."""
+timed), the phase split, the decode-blocks sweep and the profiled step (floor breakdown, timeline) after them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 
 from .measure import GiB, _Nvml, _sync, _timed, allocator_counters, allocator_delta, phase_split
 from .presets import DTYPE
-from .timeline import profile_timeline
+from .floor import profile_step
+from .timeline import draw_timeline
 
 
 @dataclass
@@ -217,19 +218,26 @@ class Trainer:
             mm._testing.set_decode_blocks(before)
         return results
 
-    def timeline(self, mode: str) -> dict | None:
-        """--timeline-out: one more step (not timed) under the profiler: when the bus copied and when the GPU
-        computed."""
+    def profiled_step(self, mode: str) -> tuple[dict | None, dict | None]:
+        """One more step (not timed) under the profiler, on CUDA: (its busy times for the floor breakdown, the
+        --timeline-out drawing's summary)."""
         args = self.args
-        if not args.timeline_out or self.device.type != "cuda" or mode == "resident":
-            return None
+        try:
+            profiled = profile_step(self.one_step, self.device)
+        except Exception as exc:  # the profiler is an extra: its failure must not lose the measured row
+            print(f"[{mode}] profiled step failed: {type(exc).__name__}: {exc}", flush=True)
+            return {"error": f"{type(exc).__name__}: {exc}"}, None
+        if profiled is None:
+            return None, None
+        activity, spans = profiled
+        if not args.timeline_out or mode == "resident":
+            return activity, None
         out = Path(args.timeline_out)
         # A stock sweep's runs each draw their own (FILE-stock-0.5.png).
         name = mode if args.offload_percent == 1.0 or mode == "layerstream" else f"{mode}-{args.offload_percent:g}"
         try:
-            return profile_timeline(self.one_step, self.device,
-                                    out.with_name(f"{out.stem}-{name}{out.suffix or '.png'}"), f"{args.preset} {name}")
-        except Exception as exc:  # the profiler is an extra: its failure must not lose the measured row
-            timeline = {"error": f"{type(exc).__name__}: {exc}"}
-            print(f"[{mode}] timeline failed: {timeline['error']}", flush=True)
-            return timeline
+            return activity, draw_timeline(activity, spans, out.with_name(f"{out.stem}-{name}{out.suffix or '.png'}"),
+                                           f"{args.preset} {name}")
+        except Exception as exc:
+            print(f"[{mode}] timeline failed: {type(exc).__name__}: {exc}", flush=True)
+            return activity, {"error": f"{type(exc).__name__}: {exc}"}
