@@ -5,9 +5,9 @@
 # tests/python/test_aitk_jobs.py in it. Run after scripts/test.sh, from the repository root:
 #   AI_TOOLKIT_DIR=/path/to/ai-toolkit scripts/ci_aitk_jobs.sh
 # Prints "N passed, N failed" last. AITK_JOBS_VENV reuses an environment made earlier.
-# CI_AITK_JOBS_K: pytest -k expression of the jobs to run; by default Z-Image and Wan 2.2 (the video model),
-# stock vs layerstream, and the job stopped with Ctrl-C and resumed (within CI's time; "" runs every case:
-# Qwen-Image, qfloat8, uint4, two jobs in one process too).
+# CI_AITK_JOBS_K: pytest -k expression of the jobs to run; by default Z-Image, Wan 2.2 (the video model) and
+# FLUX.2, stock vs layerstream, and Ctrl-C inside a step and inside a save, each resumed (within CI's time; ""
+# runs every case: Qwen-Image, qfloat8, uint4, two jobs in one process, Ctrl-C between steps too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 aitk="${AI_TOOLKIT_DIR%%:*}"
@@ -27,7 +27,7 @@ if [ -z "$venv" ]; then
   rm -rf "$wheels"
 fi
 echo "ci_aitk_jobs: AI-Toolkit environment ready after $(( $(date +%s) - start )) s"
-select="${CI_AITK_JOBS_K-zimage or wan22_14b or stopped or fails or logging or last_line}"
+select="${CI_AITK_JOBS_K-zimage or wan22_14b or flux2 or ctrl_c or fails or logging or last_line}"
 log="$(mktemp)"
 set +e
 (cd /tmp && AITK_JOBS_VENV="$venv" AI_TOOLKIT_DIR="$aitk" "$py" -m pytest -q -p no:cacheprovider \

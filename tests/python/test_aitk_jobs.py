@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import AITK_PYTHON, AITK_STUBS, aitk_dirs, aitk_jobs_skip_reason
-from layerstream.bench.aitk_job import ACTIVE_LINE, JobOptions, Workspace, differences, read_loras, run_engine
+from layerstream.bench.aitk_job import (ACTIVE_LINE, STOP_TIMEOUT_S, JobOptions, Workspace, differences, lost_files,
+                                        read_loras, run_engine)
 
 REPO = Path(__file__).resolve().parents[2]
 STUBS, PYTHON = AITK_STUBS, AITK_PYTHON
@@ -72,12 +73,15 @@ ARCH_OPTIONS = {
     "zimage": JobOptions(arch="zimage"),
     "qwen_image": JobOptions(arch="qwen_image"),
     "wan22_14b": JobOptions(arch="wan22_14b"),
+    "flux2": JobOptions(arch="flux2"),
 }
 
 
 @pytest.mark.parametrize("arch", sorted(ARCH_OPTIONS))
 def test_job_layerstream_leaves_what_stock_leaves(workspace, arch):
     opts = ARCH_OPTIONS[arch]
+    if arch == "flux2" and not (workspace.source / "extensions_built_in/diffusion_models/flux2").is_dir():
+        pytest.skip(f"{workspace.source} has no FLUX.2 model class (AI-Toolkit 27a03a91 has)")
     _assert_same_outcome(opts, *_both(workspace, opts, arch))
 
 
@@ -143,4 +147,38 @@ def test_job_stopped_after_a_save_continues_from_it(workspace):
         samples = {f"step{k}_{i}" for k in range(opts.sample_every, opts.steps + 1, opts.sample_every) for i in range(2)}
         assert samples <= set(second.samples), sorted(second.samples)
         resumed[engine] = replace(second, losses=after)
+    assert differences(resumed["stock"], resumed["layerstream"]) == []
+
+
+@pytest.mark.parametrize("where", ["step", "save"])
+def test_ctrl_c_loses_no_saved_file_and_the_job_resumes(workspace, where):
+    """Ctrl-C (a real SIGINT to run.py) inside a training step, and halfway through a checkpoint's write of
+    optimizer.pt (the job waits there for it: aitk_site's AITK_JOB_PAUSE). run.py must exit ("Job stopped") within
+    STOP_TIMEOUT_S, and every file saved before must hold its bytes, under stock and layerstream alike. In a
+    step nothing is lost. In a save AI-Toolkit itself loses the previous optimizer.pt, stock too: it overwrites it
+    in place (docs/ai-toolkit.md, "Ctrl-C during a save"); the LoRA files are intact. Started again, the job
+    continues from the newest LoRA to the end (after a stopped save, with a fresh optimizer: AI-Toolkit says
+    "Failed to load optimizer state"), stock and layerstream leaving the same losses, LoRA files and samples."""
+    opts = ARCH_OPTIONS["zimage"]
+    pause, resume_at = ("step:3", opts.save_every) if where == "step" else ("save:2", 2 * opts.save_every)
+    lost, resumed = {}, {}
+    for engine in ("stock", "layerstream"):
+        name = f"zimage-{engine}-ctrl-c-{where}"
+        first = run_engine(workspace, opts, engine, name, pause=pause)
+        assert first.paused is not None and first.paused["where"] == where, first.log[-4000:]
+        assert not first.killed, f"{engine}: run.py still running {STOP_TIMEOUT_S} s after Ctrl-C:\n{first.log[-4000:]}"
+        assert first.returncode == 0 and "Job stopped" in first.log, first.log[-4000:]
+        before = first.paused["before"]
+        assert f"job_zimage_{opts.save_every:09d}.safetensors" in before and "optimizer.pt" in before, before
+        lost[engine] = lost_files(before, workspace.root / "runs" / name / "job_zimage")
+        second = run_engine(workspace, opts, engine, name)
+        assert second.returncode == 0, second.log[-6000:]
+        resumed_log = second.log[len(first.log):]
+        assert f"Found step {resume_at} in metadata, starting from there" in resumed_log, resumed_log[-4000:]
+        assert ("Failed to load optimizer state" in resumed_log) == (where == "save"), resumed_log[-4000:]
+        after = {k: v for k, v in second.losses.items() if k > resume_at}
+        assert sorted(after) == list(range(resume_at + 1, opts.steps)), second.losses
+        assert _saves(opts, "job_zimage") == set(second.loras), sorted(second.loras)
+        resumed[engine] = replace(second, losses=after)
+    assert lost["stock"] == lost["layerstream"] == ([] if where == "step" else ["optimizer.pt"]), lost
     assert differences(resumed["stock"], resumed["layerstream"]) == []

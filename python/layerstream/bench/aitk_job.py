@@ -2,7 +2,7 @@
 with its stock manager (LAYERSTREAM=0) and once with layerstream, and what the two runs left compared.
 
 The job is what a user writes (modelled on AI-Toolkit's config/examples): a LoRA on a model class that offloads
-(`model.arch`: zimage, qwen_image, wan22_14b), `layer_offloading: true` with transformer and text-encoder
+(`model.arch`: zimage, qwen_image, wan22_14b, flux2), `layer_offloading: true` with transformer and text-encoder
 percents, gradient checkpointing, a sample every few steps, a save every few steps, a fixed seed, optionally
 `quantize` (qfloat8, which AI-Toolkit turns into torchao float8 under offloading, or an OstrisLinear qtype such
 as uint4). The model is built here with random weights in diffusers' layout (aitk_models.py), the dataset is
@@ -13,7 +13,9 @@ AI-Toolkit checkout, into which layerstream is installed as README's "Use it in 
 Compared, stock against layerstream: exit status; the loss of every step (AI-Toolkit's own loss log,
 `logging.use_ui_logger`, full precision); the saved LoRA files (bytes); the sample images (pixels); that the
 log shows layerstream active. Reported: AI-Toolkit's s/it, time from start to the first step, peak host RSS and,
-on a GPU, peak VRAM. `--resume` stops the job after a save with Ctrl-C (SIGINT) and starts it again.
+on a GPU, peak VRAM. `--resume` stops the job after a save with Ctrl-C (SIGINT) and starts it again;
+`--ctrl-c step`/`save` stops it inside a training step or halfway through a checkpoint write and reports what
+of the saved files survived.
 
 Run it in AI-Toolkit's Python (the venv that has AI-Toolkit's requirements and layerstream):
   layerstream bench aitk-job --aitk-dir /path/to/ai-toolkit --arch zimage                  # CPU, tiny
@@ -84,6 +86,10 @@ class RunResult:
     last_step_s: float | None = None
     log: str = ""
     second: RunResult | None = None  # the job run.py ran next in the same process (--second-job)
+    # Stopped with SIGINT where the job paused (run_engine's ``pause``): where, and the sha256 of every saved file
+    # before (AITK_JOB_PAUSE_FILE); None when it never paused.
+    paused: dict | None = None
+    killed: bool = False  # it did not exit within STOP_TIMEOUT_S of the SIGINT and was killed
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -181,7 +187,7 @@ def prepare_checkout(source: Path, dest: Path, python: str = sys.executable) -> 
 
 
 def job_env(engine: str, opts: JobOptions, stubs: Path | None, stats_file: Path, cap_gb: float | None,
-            hub_cache: Path, deterministic: bool = False) -> dict:
+            hub_cache: Path, deterministic: bool = False, model: Path | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AITK_JOB_")}
     paths = [str(SITE_DIR)] + ([str(stubs)] if stubs else []) + [p for p in [env.get("PYTHONPATH")] if p]
     # Offline, with a hub cache that holds only what the model folder serves for fixed repo ids (aitk_models).
@@ -194,6 +200,8 @@ def job_env(engine: str, opts: JobOptions, stubs: Path | None, stats_file: Path,
         env["AITK_JOB_CAP_GB"] = str(cap_gb)
     if deterministic:
         env.update(AITK_JOB_DETERMINISTIC="1", CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    if model is not None and (model / "flux2_params.json").is_file():  # FLUX.2's sizes (aitk_flux2.py)
+        env["AITK_JOB_FLUX2_PARAMS"] = str(model / "flux2_params.json")
     if engine == "stock":
         env["LAYERSTREAM"] = "0"
     else:
@@ -203,33 +211,39 @@ def job_env(engine: str, opts: JobOptions, stubs: Path | None, stats_file: Path,
     return env
 
 
-def _wait(proc: subprocess.Popen, interrupt, timeout_s: float) -> tuple[int, int]:
-    """Waits for the job, sending SIGINT once ``interrupt()`` is true; returns (exit status, peak RSS bytes)."""
+STOP_TIMEOUT_S = 120  # how long a job may take to exit after Ctrl-C before it counts as hung and is killed
+
+
+def _wait(proc: subprocess.Popen, interrupt, timeout_s: float) -> tuple[int, int, bool]:
+    """Waits for the job, sending SIGINT once ``interrupt()`` is true; returns (exit status, peak RSS bytes,
+    whether it was killed: past ``timeout_s``, or past STOP_TIMEOUT_S after the SIGINT)."""
     deadline = time.monotonic() + timeout_s
-    sent = False
+    sent = killed = False
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             proc.returncode = os.waitstatus_to_exitcode(status)
-            return proc.returncode, usage.ru_maxrss * 1024
+            return proc.returncode, usage.ru_maxrss * 1024, killed
         if not sent and interrupt is not None and interrupt():
             proc.send_signal(signal.SIGINT)
             sent = True
-        if time.monotonic() > deadline:
+            deadline = min(deadline, time.monotonic() + STOP_TIMEOUT_S)
+        if time.monotonic() > deadline and not killed:
             proc.kill()
+            killed = True
         time.sleep(0.05)
 
 
 def run_job(checkout: Path, configs: list[Path], env: dict, log_path: Path, python: str = sys.executable,
-            interrupt=None, timeout_s: float = 3600) -> tuple[int, int, float]:
+            interrupt=None, timeout_s: float = 3600) -> tuple[int, int, float, bool]:
     """AI-Toolkit's run.py on the jobs (several run one after another in its one process); the output into
-    ``log_path``. Returns (status, peak RSS, start time)."""
+    ``log_path``. Returns (status, peak RSS, start time, killed)."""
     start = time.time()
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([python, "run.py", *map(str, configs)], cwd=checkout, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        code, rss = _wait(proc, interrupt, timeout_s)
-    return code, rss, start
+        code, rss, killed = _wait(proc, interrupt, timeout_s)
+    return code, rss, start, killed
 
 
 # ---------------------------------------------------------------------------------------------- outputs
@@ -258,6 +272,13 @@ def safetensors_digest(path: Path) -> str:
     size = int.from_bytes(data[:8], "little")
     header = json.loads(data[8:8 + size])
     return _sha256(json.dumps(header, sort_keys=True).encode() + data[8 + size:])
+
+
+def lost_files(before: dict[str, str], save_root: Path) -> list[str]:
+    """The files of ``before`` (name -> sha256 of the bytes, as the job's pause recorded them) that are gone from
+    ``save_root`` or no longer hold those bytes."""
+    return [name for name, digest in sorted(before.items())
+            if not (save_root / name).is_file() or _sha256((save_root / name).read_bytes()) != digest]
 
 
 def read_loras(save_root: Path) -> dict[str, str]:
@@ -347,12 +368,12 @@ class Workspace:
         if not (folder / "layerstream_model.json").is_file():  # built by AI-Toolkit's diffusers/transformers
             code = ("import sys; from layerstream.bench.aitk_models import build_model; "
                     "build_model(sys.argv[1], sys.argv[2], size=sys.argv[3], te_size=sys.argv[4], "
-                    "layers=None if sys.argv[5] == 'None' else int(sys.argv[5]), seed=0)")
+                    "layers=None if sys.argv[5] == 'None' else int(sys.argv[5]), seed=0, aitk_dir=sys.argv[6])")
             env = dict(os.environ)
             if self.stubs:  # transformers imports torchvision, which needs the stand-in where it cannot load
                 env["PYTHONPATH"] = os.pathsep.join([str(self.stubs)] + [p for p in [env.get("PYTHONPATH")] if p])
             subprocess.run([self.python, "-c", code, opts.arch, str(folder), opts.size, opts.te_size,
-                            str(opts.layers)], check=True, env=env)
+                            str(opts.layers), str(self.source)], check=True, env=env)
         return folder
 
     def dataset(self, opts: JobOptions) -> Path:
@@ -373,11 +394,13 @@ class Workspace:
 
 def run_engine(ws: Workspace, opts: JobOptions, engine: str, run_name: str, cap_gb: float | None = None,
                interrupt_after_save: int | None = None, second_job: bool = False,
-               deterministic: bool = False) -> RunResult:
+               deterministic: bool = False, pause: str | None = None) -> RunResult:
     """One run of the job; ``run_name`` names its training folder, so a second call with the same name resumes
     it (AI-Toolkit continues from the newest save there). ``interrupt_after_save``: SIGINT once the save of that
     step is on disk (LoRA and optimizer state). ``second_job``: run.py is given a second job (the same one under
-    another name) that it starts in the same process when the first is done."""
+    another name) that it starts in the same process when the first is done. ``pause``: SIGINT where the job
+    waits for it (``step:N`` inside the training step after N optimizer steps, ``save:N`` halfway through the
+    Nth write of optimizer.pt: aitk_site's AITK_JOB_PAUSE); the result's ``paused`` has the files before."""
     checkout, model, data = ws.checkout(), ws.model(opts), ws.dataset(opts)
     training = ws.root / "runs" / run_name
     training.mkdir(parents=True, exist_ok=True)
@@ -406,9 +429,16 @@ def run_engine(ws: Workspace, opts: JobOptions, engine: str, run_name: str, cap_
             return marker >= 0 and "Saved optimizer to" in text[marker:]
 
     hub_cache = seed_hub_cache(ws.root / "hub-cache", model)
-    env = job_env(engine, opts, ws.stubs, stats, cap_gb, hub_cache, deterministic)
-    code, rss, start = run_job(checkout, configs, env, log_path, ws.python, interrupt)
+    env = job_env(engine, opts, ws.stubs, stats, cap_gb, hub_cache, deterministic, model)
+    marker = training / f"paused-{int(time.time() * 1000)}.json"
+    if pause is not None:
+        env.update(AITK_JOB_PAUSE=pause, AITK_JOB_PAUSE_FILE=str(marker), AITK_JOB_PAUSE_DIR=str(save_root))
+        interrupt = marker.is_file
+    code, rss, start, killed = run_job(checkout, configs, env, log_path, ws.python, interrupt)
     result = collect(engine, save_root, log_path, stats, code, rss, start)
+    result.killed = killed
+    if marker.is_file():
+        result.paused = json.loads(marker.read_text())
     if second_job:
         result.second = collect(engine, training / names[1], log_path, stats, code, rss, start)
     return result

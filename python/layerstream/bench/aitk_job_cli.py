@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 from . import aitk_job
-from .aitk_job import ACTIVE_LINE, QUANTIZE, JobOptions, RunResult, Workspace, differences, run_engine
+from .aitk_job import ACTIVE_LINE, QUANTIZE, JobOptions, RunResult, Workspace, differences, lost_files, run_engine
 from .aitk_models import ARCHES, SIZES
 
 
@@ -55,6 +56,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true",
                         help="also: stop each engine's job with SIGINT after its first save, start it again, and "
                              "compare the resumed losses")
+    parser.add_argument("--ctrl-c", choices=("step", "save"), action="append", default=[],
+                        help="also: stop each engine's job with SIGINT inside a training step (after 3 optimizer "
+                             "steps) or halfway through its second write of optimizer.pt, report the saved files "
+                             "lost, and start it again (repeat for both)")
     parser.add_argument("--deterministic", action="store_true",
                         help="GPU: torch.use_deterministic_algorithms(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8 in the "
                              "jobs, so that stock and layerstream can be compared bitwise")
@@ -80,6 +85,32 @@ def _json_row(arch: str, r: RunResult, **extra) -> dict:
     if r.second is not None:
         row["second_job"] = {k: v for k, v in asdict(r.second).items() if k not in ("log", "second")}
     return row
+
+
+def ctrl_c_checks(ws: Workspace, opts: JobOptions, engines: list[str], places: list[str], prefix: str) -> list[str]:
+    """--ctrl-c: each engine's job stopped with SIGINT where it paused for it (aitk_site's AITK_JOB_PAUSE), the
+    saved files it lost, and the same job started again. A problem: a job that hung after the SIGINT or did not
+    resume, or layerstream losing a file that stock does not (AI-Toolkit loses optimizer.pt in a save itself)."""
+    problems = []
+    for where in places:
+        lost = {}
+        for engine in engines:
+            name = f"{prefix}-{engine}-ctrl-c-{where}"
+            first = run_engine(ws, opts, engine, name, pause="step:3" if where == "step" else "save:2")
+            if first.paused is None:
+                problems.append(f"{engine} Ctrl-C in a {where}: the job never paused (exit {first.returncode})")
+                continue
+            lost[engine] = lost_files(first.paused["before"], ws.root / "runs" / name / f"job_{opts.arch}")
+            second = run_engine(ws, opts, engine, name)
+            found = re.findall(r"Found step (\d+) in metadata", second.log[len(first.log):])
+            print(f"   {engine}: Ctrl-C in a {where}: exit {first.returncode}{' (hung: killed)' if first.killed else ''}"
+                  f", saved files lost: {lost[engine] or 'none'}; started again from step "
+                  f"{found[-1] if found else '?'}: exit {second.returncode}", flush=True)
+            if first.killed or second.returncode != 0 or not found:
+                problems.append(f"{engine} Ctrl-C in a {where}: hung {first.killed}, resumed exit {second.returncode}")
+        if len(lost) == 2 and lost.get("stock") != lost.get("layerstream"):
+            problems.append(f"Ctrl-C in a {where}: files lost {lost}")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(_json_row(arch, second, resumed=True))
             if len(resumed) == 2:
                 problems += [f"resumed: {d}" for d in differences(*resumed.values())]
+        problems += ctrl_c_checks(ws, opts, engines, args.ctrl_c, f"{arch}{tag}")
         for problem in problems:
             print(f"   DIFFERENT {arch}: {problem}", flush=True)
         failed += bool(problems)

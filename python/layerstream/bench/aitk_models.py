@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-ARCHES = ("zimage", "qwen_image", "wan22_14b")
+ARCHES = ("zimage", "qwen_image", "wan22_14b", "flux2")
 SIZES = ("tiny", "full")
 
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -57,17 +57,24 @@ class EncoderShape:
     ffn: int
 
 
-# Qwen3-4B (Z-Image), Qwen2.5-VL-7B's language model (Qwen-Image), UMT5-XXL (Wan).
+# Qwen3-4B (Z-Image), Qwen2.5-VL-7B's language model (Qwen-Image), UMT5-XXL (Wan), Mistral Small 3.1's language
+# model (FLUX.2).
 ENCODER_SHAPES = {
+    ("flux2", "full"): EncoderShape(hidden=5120, layers=40, heads=32, kv_heads=8, head_dim=128, ffn=32768),
     ("zimage", "full"): EncoderShape(hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, ffn=9728),
     ("qwen_image", "full"): EncoderShape(hidden=3584, layers=28, heads=28, kv_heads=4, head_dim=128, ffn=18944),
     ("wan22_14b", "full"): EncoderShape(hidden=4096, layers=24, heads=64, kv_heads=64, head_dim=64, ffn=10240),
 }
 TINY_ENCODER = EncoderShape(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, ffn=128)
+# FLUX.2 reads the Mistral encoder's hidden states after layers 10, 20 and 30 (its pipeline's OUTPUT_LAYERS_MISTRAL)
+# of a prompt padded to 512 tokens: the tiny one needs 30 layers, at half the width (half the time on a CPU).
+TINY_ENCODER_FLUX2 = EncoderShape(hidden=32, layers=30, heads=1, kv_heads=1, head_dim=32, ffn=64)
 
 
 def encoder_shape(arch: str, size: str) -> EncoderShape:
-    return TINY_ENCODER if size == "tiny" else ENCODER_SHAPES[(arch, size)]
+    if size == "tiny":
+        return TINY_ENCODER_FLUX2 if arch == "flux2" else TINY_ENCODER
+    return ENCODER_SHAPES[(arch, size)]
 
 
 def rope_axes(head_dim: int) -> list[int]:
@@ -217,9 +224,14 @@ def _wan_transformer(shape: TransformerShape, text_hidden: int):
 
 
 def build_model(arch: str, folder: Path, size: str = "tiny", te_size: str = "tiny", layers: int | None = None,
-                seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
+                seed: int = 0, dtype: torch.dtype = torch.bfloat16, aitk_dir: str | None = None) -> Path:
     """Writes the model folder for ``arch`` (see ARCHES) and returns it. ``layers`` overrides the transformer's
-    block count (a full-width model with few blocks). The same seed gives the same bytes."""
+    block count (a full-width model with few blocks). The same seed gives the same bytes. ``aitk_dir``: the
+    AI-Toolkit checkout, for FLUX.2 (its transformer and VAE are AI-Toolkit's own modules, aitk_flux2.py)."""
+    if arch == "flux2":
+        from .aitk_flux2 import build_flux2
+
+        return build_flux2(folder, size, te_size, layers, seed, dtype, aitk_dir)
     if arch not in ARCHES:
         raise ValueError(f"unknown arch {arch!r}: choose from {', '.join(ARCHES)}")
     if size not in SIZES or te_size not in SIZES:
@@ -264,6 +276,8 @@ def build_model(arch: str, folder: Path, size: str = "tiny", te_size: str = "tin
 # cache (seed_hub_cache) with the folder's own part, as HF_HUB_OFFLINE=1 resolves a repo id from the cache.
 HUB_REPOS = {
     "wan22_14b": {"ai-toolkit/wan2.1-vae": "vae"},  # Wan2214bModel._wan_vae_path
+    # Flux2Model.load_te: MISTRAL_PATH, the encoder and its processor from one repository
+    "flux2": {"mistralai/Mistral-Small-3.1-24B-Instruct-2503": "text_encoder"},
 }
 
 

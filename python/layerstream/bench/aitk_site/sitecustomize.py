@@ -1,11 +1,19 @@
 """Loaded by the job harness (`layerstream bench aitk-job`) at the start of AI-Toolkit's run.py through
-PYTHONPATH; AI-Toolkit's files stay as they are. It does two things a job cannot do from its YAML:
+PYTHONPATH; AI-Toolkit's files stay as they are. It does what a job cannot do from its YAML:
 
   AITK_JOB_CAP_GB     caps the process's VRAM (torch.cuda.set_per_process_memory_fraction) from the moment
                              the first optimizer is made: after the model is loaded and placed, before the first
                              sample and step, as a card of that size would have it during training;
   AITK_JOB_STATS      a JSON file written at exit: peak VRAM allocated and reserved (where CUDA was used);
-  AITK_JOB_DETERMINISTIC=1   torch.use_deterministic_algorithms(True), for bitwise comparisons on a GPU.
+  AITK_JOB_DETERMINISTIC=1   torch.use_deterministic_algorithms(True), for bitwise comparisons on a GPU;
+  AITK_JOB_FLUX2_PARAMS      a JSON file of FLUX.2's transformer and VAE sizes (aitk_flux2.py), which AI-Toolkit's
+                             Flux2Model then builds instead of its fixed ones;
+  AITK_JOB_PAUSE             where the job waits for the harness's SIGINT (Ctrl-C): `step:N` in the first LoRA
+                             forward with gradients after N optimizer steps (inside a training step), `save:N` in
+                             the Nth write of optimizer.pt, halfway through its bytes (inside a checkpoint save).
+                             Before it waits it writes AITK_JOB_PAUSE_FILE: the sha256 of every file in
+                             AITK_JOB_PAUSE_DIR as they were before the save began (for `save`) or at the pause.
+                             With no signal within 120 s it goes on.
 
 A sitecustomize found earlier on sys.path (a venv's own) is not replaced: this one runs it first."""
 
@@ -64,7 +72,121 @@ def _write_stats(path: str) -> None:
             json.dump(stats, f)
 
 
+def _after_import(fullname: str, patch) -> None:
+    """Runs ``patch(module)`` once the module ``fullname`` has been executed, wherever it is imported from."""
+    import importlib.abc
+    import sys
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != fullname:
+                return None
+            sys.meta_path.remove(self)
+            spec = next((s for f in sys.meta_path if hasattr(f, "find_spec")
+                         for s in [f.find_spec(name, path, target)] if s is not None), None)
+            if spec is None or spec.loader is None:
+                return spec
+            execute = spec.loader.exec_module
+
+            def exec_module(module):
+                execute(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
+def _flux2_sizes(path: str) -> None:
+    with open(path) as f:
+        params = json.load(f)
+
+    def patch(module):
+        model_params, vae_params = module.Flux2Params, module.AutoEncoderParams
+        module.Flux2Model.get_flux2_params = lambda self: model_params(**params["transformer"])
+        module.AutoEncoderParams = lambda: vae_params(**params["vae"])  # load_model's name for the VAE's sizes
+
+    _after_import("extensions_built_in.diffusion_models.flux2.flux2_model", patch)
+
+
+def _digests(folder: str) -> dict:
+    import hashlib
+
+    out = {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path) and name.endswith((".safetensors", ".pt")):
+            with open(path, "rb") as f:
+                out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _wait_for_sigint(where: str, before: dict) -> None:
+    import time
+
+    marker = os.environ["AITK_JOB_PAUSE_FILE"]
+    with open(marker + ".tmp", "w") as f:
+        json.dump({"where": where, "before": before}, f)
+    os.replace(marker + ".tmp", marker)
+    print(f"layerstream job harness: waiting for SIGINT in the {where}", flush=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _pause(spec: str) -> None:
+    import torch
+
+    where, count = spec.split(":")
+    count, seen = int(count), [0]
+    folder = os.environ.get("AITK_JOB_PAUSE_DIR", "")
+    if where == "save":
+        original = torch.save
+
+        def save(obj, f, *args, **kwargs):
+            if not (isinstance(f, (str, os.PathLike)) and os.path.basename(f) == "optimizer.pt"):
+                return original(obj, f, *args, **kwargs)
+            seen[0] += 1
+            if seen[0] != count:
+                return original(obj, f, *args, **kwargs)
+            import io
+
+            before, buffer = _digests(folder), io.BytesIO()
+            original(obj, buffer, *args, **kwargs)
+            data = buffer.getvalue()
+            with open(f, "wb") as out:  # as torch.save(obj, path) does: the old file is gone from here on
+                out.write(data[:len(data) // 2])
+                out.flush()
+                _wait_for_sigint("save", before)
+                out.write(data[len(data) // 2:])
+
+        torch.save = save
+        return
+    if where != "step":
+        raise ValueError(f"AITK_JOB_PAUSE={spec!r}: use step:N or save:N")
+    from torch.nn.modules.module import register_module_forward_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(lambda *a: seen.__setitem__(0, seen[0] + 1))
+    done = [False]
+
+    def pre_hook(module, args):
+        if done[0] or seen[0] < count or not torch.is_grad_enabled():
+            return None
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            done[0] = True
+            _wait_for_sigint("step", _digests(folder))
+        return None
+
+    register_module_forward_pre_hook(pre_hook)
+
+
 _chain_next_sitecustomize()
+if os.environ.get("AITK_JOB_FLUX2_PARAMS"):
+    _flux2_sizes(os.environ["AITK_JOB_FLUX2_PARAMS"])
+if os.environ.get("AITK_JOB_PAUSE"):
+    _pause(os.environ["AITK_JOB_PAUSE"])
 if os.environ.get("AITK_JOB_CAP_GB"):
     _cap_at_first_optimizer(float(os.environ["AITK_JOB_CAP_GB"]) * 2**30)
 if os.environ.get("AITK_JOB_DETERMINISTIC") == "1":
