@@ -98,6 +98,14 @@ def test_a_bus_bound_gap_is_slow_copies_unoverlapped_compute_decodes_allocator_a
     assert sum(v for v in items.values() if v is not None) == b["gap_ms"]
 
 
+def test_copies_without_their_sizes_in_the_trace_take_the_timed_steps_mean_bytes():
+    a = floor.summarize({"copies": [(0.0, 4.0)], "copy_bytes": 0, "compute": [(0.0, 1.0)], "decode": [],
+                         "allocator": []}, wall_ms=4.0)
+    b = floor.breakdown(a, 1e9, 0.001, mean_bytes=3e6)
+    assert (b["bus_ms"], b["bus_from"], b["bound"], b["gap_ms"]) == (3.0, "the timed steps' mean bytes", "bus", 1.0)
+    assert floor.breakdown(a, 1e9, 0.001)["bus_from"] == "the profiled step's copies"
+
+
 def test_without_cuda_or_bandwidth_nothing_is_measured_and_the_line_says_so():
     assert floor.breakdown(None, 5e10, 0.5) == {"status": "not measured: no CUDA"}
     a = floor.summarize({"copies": [], "copy_bytes": 0, "compute": [(0.0, 1.0)], "decode": [],

@@ -192,7 +192,7 @@ def test_lossless_leaves_what_it_does_not_take_as_it_is_packed_once(engine, devi
 
 def test_an_unknown_host_dtype_names_lossless_among_the_choices(engine, device, monkeypatch):
     monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "lossles")
-    refusal = r"LAYERSTREAM_HOST_DTYPE=lossles \(the environment\) is not accepted; it takes same .*, lossless "
+    refusal = r"LAYERSTREAM_HOST_DTYPE=lossles \(the environment\) is not accepted; it takes auto .*, same .*, lossless "
     with pytest.raises(ValueError, match=refusal):
         mm.LinearLayerMemoryManager.attach(torch.nn.Linear(8, 8).requires_grad_(False), Manager(device))
 

@@ -256,7 +256,7 @@ def test_doctor_checks_the_ram_for_the_weights_in_the_chosen_form(monkeypatch):
     automatic = doctor._host_ram_line(60, "auto")
     assert automatic.verdict == "FAIL" and "as they are at most (LAYERSTREAM_HOST_DTYPE=auto packs" in automatic.detail
     assert "LAYERSTREAM_HOST_DTYPE=lossless (exact) would need about 50.2 GiB, which is available" in automatic.detail
-    monkeypatch.delenv("LAYERSTREAM_HOST_DTYPE", raising=False)
+    monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "fp8")  # not a form: checked as the default
     assert doctor.chosen_host_dtype() == "auto"
     monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "lossless")
     assert doctor.chosen_host_dtype() == "lossless"

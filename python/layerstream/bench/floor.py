@@ -122,10 +122,10 @@ def summarize(spans: dict, wall_ms: float) -> dict:
 
 
 def breakdown(activity: dict | None, h2d_bytes_per_s: float | None, compute_s: float | None,
-              step_mean_s: float | None = None) -> dict:
+              step_mean_s: float | None = None, mean_bytes: float | None = None) -> dict:
     """The floor of the profiled step and its gap item by item (ms). `compute_s`: the resident run's step
     (None: this step's compute kernels). The floor's bus time is the step's own copied bytes at the measured
-    pinned bandwidth."""
+    pinned bandwidth; where the trace gave copies without their sizes, the timed steps' `mean_bytes`."""
     if activity is None:
         return {"status": NOT_MEASURED}
     if not h2d_bytes_per_s:
@@ -133,7 +133,10 @@ def breakdown(activity: dict | None, h2d_bytes_per_s: float | None, compute_s: f
     a = activity
     compute_from = "the resident run" if compute_s is not None else "this step's kernels"
     compute_ms = compute_s * 1e3 if compute_s is not None else a["compute_ms"]
-    bus_ms = a["copy_bytes"] / h2d_bytes_per_s * 1e3
+    moved, bus_from = a["copy_bytes"], "the profiled step's copies"
+    if a["copies"] and not moved and mean_bytes:
+        moved, bus_from = mean_bytes, "the timed steps' mean bytes"
+    bus_ms = moved / h2d_bytes_per_s * 1e3
     floor_ms = max(compute_ms, bus_ms)
     neither = a["neither_ms"]
     allocator = None if a["allocator_ms"] is None else min(a["allocator_ms"], max(neither, 0.0))
@@ -150,7 +153,7 @@ def breakdown(activity: dict | None, h2d_bytes_per_s: float | None, compute_s: f
     items.append(("other: neither busy (host, launches, syncs)", neither - (allocator or 0.0)))
     out = {"status": "ok", "copy_busy_ms": a["copy_busy_ms"], "kernel_busy_ms": a["kernel_busy_ms"],
            "both_ms": a["both_ms"], "decode_ms": a["decode_ms"],
-           "bound": "compute" if compute_ms >= bus_ms else "bus", "compute_ms": compute_ms,
+           "bound": "compute" if compute_ms >= bus_ms else "bus", "compute_ms": compute_ms, "bus_from": bus_from,
            "compute_from": compute_from, "bus_ms": bus_ms, "floor_ms": floor_ms, "step_ms": a["wall_ms"],
            "gap_ms": a["wall_ms"] - floor_ms, "items": [{"item": k, "ms": v} for k, v in items]}
     if step_mean_s is not None:

@@ -50,7 +50,7 @@ def add_floors(rows: list[dict], h2d_bytes_per_s: float | None, reference: dict 
         activity = row.get("floor_activity")
         row["floor_breakdown"] = (
             {"status": f"not measured: {activity['error']}"} if activity and "error" in activity
-            else floor.breakdown(activity, h2d_bytes_per_s, t_compute, row["s_per_step_mean"]))
+            else floor.breakdown(activity, h2d_bytes_per_s, t_compute, row["s_per_step_mean"], row["bytes_per_step"]))
     return t_compute
 
 
