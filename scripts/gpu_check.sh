@@ -291,7 +291,10 @@ if want wheel; then
   run wheel_info "${NOCC[@]}" bash -c 'cd /tmp && layerstream --version && layerstream info && layerstream doctor; \
     python -c "import layerstream, layerstream.manager_modules as m; print(layerstream.__file__, m.__torch_version__)"'
   T="$PWD/tests/python"
-  WPYTEST="cd /tmp && python -X faulthandler -m pytest -q -rs -p no:cacheprovider -k 'cuda and not install_then_uninstall'"
+  # -v: each case's outcome is in the log as it ends (a call stopped by its limit still names what failed).
+  # AI-Toolkit's own Triton kernels (its convrot and nvfp4 quantizers, which the ostris tests compare against)
+  # need a C compiler for Triton's launcher: without one on PATH those cases fail on stock alike.
+  WPYTEST="cd /tmp && python -X faulthandler -m pytest -v -rs --tb=short -p no:cacheprovider -k 'cuda and not install_then_uninstall'"
   if [[ -n ${LAYERSTREAM_WHEEL_FILES:-} ]]; then
     run wheel_pytest "${NOCC[@]}" bash -c "$WPYTEST $LAYERSTREAM_WHEEL_FILES"
     grep -E "[0-9]+ passed" "$OUT/all.log" | tail -n 1 | sed 's/^/      /' >>"$OUT/summary.txt"
