@@ -37,10 +37,15 @@
 #   wheel  the release wheel (scripts/build_wheel.sh, all architectures or LAYERSTREAM_WHEEL_ARCHS; or the wheel
 #          LAYERSTREAM_WHEEL_PREBUILT names, built elsewhere and carried) installed in a fresh venv with no
 #          compiler or nvcc on PATH; every GPU case (-k cuda, as pycuda; LAYERSTREAM_WHEEL_FILES narrows it to
-#          those test files) and the demo on it
+#          those test files) and the demo on it; AI-Toolkit's Triton cases (which need a C compiler) again with gcc
 #   aitkjob  AI-Toolkit's own run.py on generated jobs at full shapes, stock vs layerstream (LAYERSTREAM_AITKJOBS:
 #          ';'-separated argument lists of `layerstream bench aitk-job`; needs .aitk/<commit> and its packages in .whl)
 #   pyfiles  the GPU cases (-k cuda) of the test files in LAYERSTREAM_PY_FILES
+#   ab     before/after: two prebuilt wheels (LAYERSTREAM_AB_BEFORE, LAYERSTREAM_AB_AFTER; scripts/build_wheel.sh),
+#          each installed in a folder of its own, the same benchmark runs alternating between them on one machine
+#          (LAYERSTREAM_AB_RUNS: flux1det = FLUX.1 100% streamed with deterministic kernels, losses compared
+#          bitwise; flux1cap, flux2cap = under a 24 GiB cap with VRAM budget auto; stress = `stress`'s auto run;
+#          LAYERSTREAM_AB_ROUNDS rounds)
 #   ostris AI-Toolkit's OstrisLinear quantizers on FLUX.2-shaped under a cap, stock vs layerstream, and the
 #          model all-resident where a group asks ("q1,q2@resident,stock,layerstream"; benchmarks/ostris_bench.py;
 #          LAYERSTREAM_OSTRIS_QTYPES, LAYERSTREAM_OSTRIS_CAP_GB, LAYERSTREAM_OSTRIS_DETERMINISTIC)
@@ -188,16 +193,20 @@ flux() {  # flux NAME [VAR=VALUE ...] FLUX_BENCH_ARGS...
   run "$name" env "${envs[@]}" python3 benchmarks/flux_bench.py --aitk-dir "${AI_TOOLKIT_DIR%%:*}" "$@" \
     --md-out "$OUT/$name.md" --json-out "$OUT/$name.json"
   summarize_rows "$OUT/$name.md" "$name"
+  # At most 8 files come back from a lent machine: each run's table and JSON also go into one archive as they
+  # are made (a call stopped by its limit keeps them there), and the loose copies are removed at the end.
+  (cd "$OUT" && for f in "$name.md" "$name.json"; do [[ -e $f ]] && tar -rf runs.tar "$f"; done)
 }
 # The losses of two flux_bench runs (--json-out), all-resident and layerstream, into the summary, and whether they
 # are equal bit for bit.
-compare_losses() {  # compare_losses RESIDENT_JSON STREAMED_JSON
-  python3 - "$1" "$2" >>"$OUT/summary.txt" 2>&1 <<'PY'
+compare_losses() {  # compare_losses RESIDENT_JSON STREAMED_JSON [LABEL_A LABEL_B]
+  python3 - "$1" "$2" "${3:-resident}" "${4:-layerstream}" >>"$OUT/summary.txt" 2>&1 <<'PY'
 import json, sys
-rows = [json.load(open(p))["results"][0] for p in sys.argv[1:]]
+rows = [json.load(open(p))["results"][0] for p in sys.argv[1:3]]
 a, b = (r.get("losses") for r in rows)
-print("      losses resident   ", a)
-print("      losses layerstream", b)
+width = max(len(sys.argv[3]), len(sys.argv[4]))
+print("      losses", sys.argv[3].ljust(width), a)
+print("      losses", sys.argv[4].ljust(width), b)
 print("      losses bitwise equal:", a is not None and a == b)
 PY
 }
@@ -662,6 +671,42 @@ if want lossless && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   fi
 fi
 
+if want ab && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
+  # A change's cost measured as issue 46 asks: the code before and after, built alike, side by side on one
+  # machine; the benchmark scripts are this tree's for both.
+  # The settings are read here and taken out of the environment: a wheel older than their names would warn.
+  declare -A ABWHEEL=([before]="${LAYERSTREAM_AB_BEFORE:-}" [after]="${LAYERSTREAM_AB_AFTER:-}")
+  ABRUNS_SET="${LAYERSTREAM_AB_RUNS:-flux1det,flux1cap}"; ABROUNDS="${LAYERSTREAM_AB_ROUNDS:-1}"
+  unset LAYERSTREAM_AB_BEFORE LAYERSTREAM_AB_AFTER LAYERSTREAM_AB_RUNS LAYERSTREAM_AB_ROUNDS
+  step "before/after: $(basename "${ABWHEEL[before]:-?}") (before) against $(basename "${ABWHEEL[after]:-?}") (after)"
+  for side in before after; do
+    rm -rf "/tmp/ab-$side"
+    run "ab_install_$side" python3 -m pip install -q --no-index --no-deps --target "/tmp/ab-$side" "${ABWHEEL[$side]}"
+    run "ab_which_$side" env PYTHONPATH="/tmp/ab-$side${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
+      'import layerstream, layerstream.manager_modules as m; print(layerstream.__file__, m.__torch_version__)'
+  done
+  pick_runs ab "$ABRUNS_SET" "flux1det flux1cap flux2cap stress"
+  AB=(--warmup 2 --steps 3 --mode layerstream)
+  # Each run before, then after, so that a call cut by its limit still has whole pairs.
+  for round in $(seq 1 "$ABROUNDS"); do
+    for item in ${ABRUNS_SET//,/ }; do
+      for side in before after; do
+        ABP="PYTHONPATH=/tmp/ab-$side${PYTHONPATH:+:$PYTHONPATH}"; name="ab_${item}_${side}_$round"
+        case $item in
+          flux1det) flux "$name" "$ABP" --preset flux1 --deterministic "${AB[@]}" ;;
+          flux1cap) flux "$name" "$ABP" LAYERSTREAM_VRAM_BUDGET=auto --preset flux1 --vram-cap-gb 24 "${AB[@]}" ;;
+          flux2cap) flux "$name" "$ABP" LAYERSTREAM_VRAM_BUDGET=auto --preset flux2 --vram-cap-gb 24 "${AB[@]}" ;;
+          stress) flux "$name" "$ABP" LAYERSTREAM_VRAM_BUDGET=auto --preset flux1 --aitk-flow --vram-cap-gb 24 \
+                    --warmup 2 --steps 6 --stress-gb 2,4,8 --mode layerstream
+                  sed -n '/^--stress-gb/,/^$/p' "$OUT/$name.md" | grep -E '^  ' | sed "s|^  |      $name: |" >>"$OUT/summary.txt" ;;
+        esac
+      done
+      [[ $item == flux1det ]] && compare_losses "$OUT/ab_flux1det_before_$round.json" "$OUT/ab_flux1det_after_$round.json" before after
+      rm -f "$OUT"/ab_"${item}"_*_"$round".{md,json}  # (in runs.tar)
+    done
+  done
+fi
+
 if want stress; then
   # Issue 45's stress: AI-Toolkit's flow (buckets, samples, the model on the GPU before attach) under a 24 GiB
   # cap with the user's allocations of 2, 4 and 8 GiB in turn, one between steps and one inside each step
@@ -994,5 +1039,8 @@ if want ddp; then
   grep -E "^\| (share|private|single)" "$OUT/ddp_bench.md" 2>/dev/null | sed "s/^/      /" >>"$OUT/summary.txt"
 fi
 
+if [[ -e $OUT/runs.tar ]]; then
+  tar -tf "$OUT/runs.tar" | sort -u | (cd "$OUT" && xargs -r rm -f)
+fi
 cat "$OUT/summary.txt"
 exit $status
