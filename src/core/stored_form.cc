@@ -24,6 +24,9 @@ const std::vector<StoredForm>& stored_forms() {
       {"ostris", "ai-toolkit", "ostris", D::kOwnForward, P::kModuleTensors,
        "AI-Toolkit's OstrisLinear: its quantizer's buffers as stored; uintx, orbit, orbit-VQ, nvfp4, convrot "
        "decoded by layerstream's kernels where proven equal (ostris_fast.h), others by the layer's own forward"},
+      {"bnb-4bit", "bitsandbytes", "bnb-4bit", D::kOwnForward, P::kModuleTensors,
+       "bitsandbytes' Linear4bit (nf4, fp4): packed 4-bit codes and the quant_state's tensors (absmax, code, "
+       "nested statistics), run by bitsandbytes' own forward"},
       {"generic", "any", "generic", D::kLibraryMove, P::kNone,
        "anything else: moved as stored and dequantized by its library at every call (no prefetch)"},
   };

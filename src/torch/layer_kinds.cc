@@ -1,5 +1,7 @@
 #include "layer_kinds.h"
 
+#include <torch/csrc/autograd/python_variable.h>
+
 #include "layer_manager.h"
 #include "packed_weight_glue.h"
 #include "py_torch.h"
@@ -179,6 +181,31 @@ std::optional<Recognised> recognise_torchao(const py::object& module, const py::
   return Recognised{q->form};
 }
 
+// bitsandbytes' Linear4bit (nf4, fp4): the weight is a Params4bit of packed 4-bit codes (uint8, two a byte)
+// whose quant_state holds `absmax` (one per block of values; with nested statistics the uint8 codes of a
+// second quantization, whose `offset`, `state2.absmax` and `state2.code` come with it) and the 16-entry
+// `code` table. bitsandbytes' own forward decodes them (DeviceDecode::kOwnForward): they stream as stored.
+// A weight repacked for bitsandbytes' AVX512-BF16 CPU kernel is refused (it is rewritten at its first call).
+std::vector<TensorSlot> bnb_slots(const py::object& module) {
+  using K = TensorSlot::Kind;
+  std::vector<TensorSlot> slots{{K::kFrozenParameter, "", "weight"}};
+  for (const char* name : {"absmax", "code", "offset", "state2.absmax", "state2.code"}) {
+    const TensorSlot slot{K::kAttribute, "weight.quant_state", name};
+    if (THPVariable_Check(read_slot(module, slot).ptr())) slots.push_back(slot);
+  }
+  if (!py::dict(module.attr("_parameters")).attr("get")("bias").is_none()) slots.push_back({K::kParameterData, "", "bias"});
+  return slots;
+}
+
+std::optional<Recognised> recognise_bnb(const py::object& module, const py::object& weight, bool conv) {
+  if (conv || !type_is(weight, "bitsandbytes", "Params4bit") || !plain_around(module, conv)) return std::nullopt;
+  const py::object qs = py::getattr(weight, "quant_state", py::none());
+  if (qs.is_none() || py::getattr(qs, "packing_format_for_cpu", py::bool_(false)).cast<bool>()) return std::nullopt;
+  const at::Tensor codes = weight.cast<at::Tensor>();
+  if (codes.scalar_type() != at::kByte || codes.requires_grad() || !py::hasattr(module, "compute_dtype")) return std::nullopt;
+  return Recognised{&stored_form("bnb-4bit"), bnb_slots};
+}
+
 struct LibraryRecogniser {
   const char* library;
   Recogniser recognise;
@@ -187,6 +214,7 @@ const LibraryRecogniser kRecognisers[] = {
     {"torch", recognise_torch},
     {"optimum-quanto", recognise_quanto},
     {"torchao", recognise_torchao},
+    {"bitsandbytes", recognise_bnb},
 };
 
 std::vector<TensorSlot> ostris_slots(const py::object& module) {
