@@ -104,6 +104,18 @@ void bind_layer_managers(py::module_& m) {
           "path", [](const LayerManager& lm) { return path_name(lm); },
           "How calls run: streamed, cpu, quantized, generic or ostris.")
       .def_property_readonly(
+          "form",
+          [](const LayerManager& m) -> py::object {
+            if (m.form == nullptr) return py::none();
+            // A plain weight may be kept compressed by LAYERSTREAM_HOST_DTYPE (StreamedLayer::pack decides).
+            if (m.form->parts == ArenaParts::kWeightBias && m.layer && m.layer->quantized()) {
+              const bool lossless = m.layer->stored_as().rfind("lossless", 0) == 0;
+              return py::str(std::string(stored_form(lossless ? "lossless-bf16" : "float8-host").name));
+            }
+            return py::str(std::string(m.form->name));
+          },
+          "The weight's stored form (layerstream/stored_form.h): plain, lossless-bf16, quanto-qbytes, bnb-4bit, ...")
+      .def_property_readonly(
           "stored_as", [](const LayerManager& m) -> py::object {
             return m.layer ? py::cast(m.layer->stored_as()) : py::none();
           },

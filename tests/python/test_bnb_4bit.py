@@ -91,7 +91,7 @@ def test_linear4bit_streams_as_stored_and_computes_bitwise(engine, device, quant
 
     mm.LinearLayerMemoryManager.attach(layer, Manager(device))
     lmm = layer._layer_memory_manager
-    assert lmm.path == "bnb-4bit"
+    assert (lmm.path, lmm.form) == ("bnb-4bit", "bnb-4bit")
     # One block: the codes at their stored size (half a byte a value), the statistics, the bias.
     assert lmm.packed_bytes == stored_bytes
     assert all(t.device.type == "cpu" for t in _stored(layer))
