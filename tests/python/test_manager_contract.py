@@ -118,7 +118,8 @@ def test_the_namespace_is_ai_toolkits_with_layerstreams_own_and_the_test_hooks_a
     assert hooks == {"dequantize", "lossless_pack", "lossless_unpack", "decode_blocks", "set_decode_blocks",
                      "reset_log_once", "sim_fail_next_copies", "sim_device_alloc", "sim_device_free",
                      "sim_device_free_bytes", "lossless_threads", "set_lossless_threads", "lossless_pack_times",
-                     "nvfp4_fake_quantize", "nvfp4_decode", "int_rows_decode", "parent_process_id"}
+                     "nvfp4_fake_quantize", "nvfp4_decode", "int_rows_decode", "parent_process_id",
+                     "allocation_retries", "allocation_retry_installed"}
     assert {n for n in dir(mm._packed) if not n.startswith("__")} == {"unpack"}
     assert [n for n in dir(mm.DeviceState) if n.startswith("_sim")] == []
 
