@@ -291,19 +291,29 @@ if want wheel; then
   run wheel_info "${NOCC[@]}" bash -c 'cd /tmp && layerstream --version && layerstream info && layerstream doctor; \
     python -c "import layerstream, layerstream.manager_modules as m; print(layerstream.__file__, m.__torch_version__)"'
   T="$PWD/tests/python"
-  WPYTEST="cd /tmp && python -X faulthandler -m pytest -q -rs -p no:cacheprovider -k 'cuda and not install_then_uninstall'"
+  # -v: each case's outcome is in the log as it ends (a call stopped by its limit still names what failed).
+  WPYTEST="cd /tmp && python -X faulthandler -m pytest -v -rs --tb=short -p no:cacheprovider -k 'cuda and not install_then_uninstall'"
+  # AI-Toolkit's own Triton kernels (its convrot and nvfp4 quantizers, which the ostris tests compare against)
+  # need a C compiler for Triton's launchers: with none on PATH those cases skip (stock cannot run them either),
+  # and the shard `wheel_pytest_triton` runs them on the same installed wheel with gcc alone added to PATH.
+  rm -rf /tmp/tritoncc && mkdir -p /tmp/tritoncc
+  printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v gcc)" >/tmp/tritoncc/gcc && chmod +x /tmp/tritoncc/gcc
+  for tool in as ld; do command -v "$tool" >/dev/null && ln -sf "$(command -v "$tool")" /tmp/tritoncc/; done
+  TRITONCC=(env -i HOME=/tmp PATH=/tmp/wheel-site/bin:/tmp/nocc:/tmp/tritoncc
+            PYTHONPATH=/tmp/wheel-site${PYTHONPATH:+:$PYTHONPATH} ${AI_TOOLKIT_DIR:+AI_TOOLKIT_DIR=$AI_TOOLKIT_DIR})
   if [[ -n ${LAYERSTREAM_WHEEL_FILES:-} ]]; then
     run wheel_pytest "${NOCC[@]}" bash -c "$WPYTEST $LAYERSTREAM_WHEEL_FILES"
     grep -E "[0-9]+ passed" "$OUT/all.log" | tail -n 1 | sed 's/^/      /' >>"$OUT/summary.txt"
   else
-    # The whole suite in two shards side by side (as `pycuda`), so that it fits one call with the build.
+    # The whole suite in two shards side by side (as `pycuda`), then the Triton shard after the smaller one.
     ( run wheel_pytest_a "${NOCC[@]}" bash -c "$WPYTEST $T/test_reliability.py $T/test_install_cli.py $T/test_aitk_real.py"
+      run wheel_pytest_triton "${TRITONCC[@]}" bash -c "$WPYTEST $T/test_ostris_backends.py"
       exit "$status" ) &
     WSHARD_A=$!
     run wheel_pytest_b "${NOCC[@]}" bash -c "$WPYTEST $T --ignore=$T/test_reliability.py --ignore=$T/test_install_cli.py \
       --ignore=$T/test_aitk_real.py"
     wait "$WSHARD_A" || status=1
-    grep -E "^=+ .*[0-9]+ (passed|failed)" "$OUT/all.log" | tail -n 2 | sed 's/^/      /' >>"$OUT/summary.txt"
+    grep -E "^=+ .*[0-9]+ (passed|failed)" "$OUT/all.log" | tail -n 3 | sed 's/^/      /' >>"$OUT/summary.txt"
   fi
   run wheel_demo "${NOCC[@]}" bash -c 'cd /tmp && layerstream demo --backend cuda'
 fi

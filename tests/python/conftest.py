@@ -11,6 +11,7 @@ from __future__ import annotations
 import faulthandler
 import gc
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -40,6 +41,21 @@ def _cuda_skip_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device (torch.cuda.is_available() is False)"
     return None
+
+
+def triton_c_compiler() -> str | None:
+    """The C compiler Triton builds each kernel's launcher with (its runtime/build.py: $CC, else gcc, else
+    clang), or None where it would find none."""
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+
+
+def skip_unless_triton_can_build(what: str) -> None:
+    """AI-Toolkit's convrot and nvfp4 kernels on CUDA are Triton kernels; without a C compiler Triton stops at
+    their first launch ("Failed to find C compiler"), under stock AI-Toolkit alike. Such cases skip with the
+    reason (the release-wheel run on a GPU runs them again with gcc on PATH)."""
+    if triton_c_compiler() is None:
+        pytest.skip(f"{what} runs AI-Toolkit's Triton kernels, and Triton needs a C compiler to build their "
+                    "launchers: none on PATH (install gcc or set CC); stock AI-Toolkit cannot run them either")
 
 
 def clear_device_states():

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import OstrisToolkit, aitk_dirs, block_bytes
+from conftest import OstrisToolkit, aitk_dirs, block_bytes, skip_unless_triton_can_build
 from layerstream import manager_modules as mm
 from layerstream.aitk import load_memory_management
 from models import apply_lora, train_lora
@@ -65,6 +65,23 @@ def decoded_here(qtype: str, device) -> bool:
     if qtype == "convrot4":
         return not (torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10)
     return qtype.startswith(DECODED)
+
+
+# The backends whose CUDA forward (or dequantization) is one of AI-Toolkit's Triton kernels.
+TRITON_QTYPES = ("convrot", "nvfp4")
+
+
+@pytest.fixture(autouse=True)
+def triton_compiler_on_cuda(request):
+    """A CUDA case of a Triton backend (its `qtype`, or the `aitk_triton` mark of a case that names its
+    backends itself) needs the C compiler Triton builds its launchers with."""
+    spec = getattr(request.node, "callspec", None)
+    params = spec.params if spec is not None else {}
+    qtype = params.get("qtype")
+    triton = request.node.get_closest_marker("aitk_triton") is not None or (
+        isinstance(qtype, str) and qtype.startswith(TRITON_QTYPES))
+    if triton and params.get("engine", "cuda") == "cuda" and torch.cuda.is_available():
+        skip_unless_triton_can_build(qtype or request.node.name)
 
 
 class QuantizedStack(torch.nn.Module):
@@ -268,6 +285,7 @@ def test_detach_gives_the_buffers_back_and_free_releases_them(engine, device, ai
     assert mm.stats()["host_bytes_requested"] == host_before
 
 
+@pytest.mark.aitk_triton
 @pytest.mark.parametrize("aitk_dir", DIRS)
 def test_a_layer_quantized_again_into_another_backend_streams_its_new_buffers(engine, device, aitk_dir):
     """AI-Toolkit's convert_linear_to_ostris re-quantizes an OstrisLinear into another qtype by clearing its
@@ -293,6 +311,7 @@ def test_a_layer_quantized_again_into_another_backend_streams_its_new_buffers(en
         assert torch.equal(model(x), unmanaged.to(device)(x))
 
 
+@pytest.mark.aitk_triton
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
                     reason=f"needs two GPUs (this machine has {torch.cuda.device_count()})")
@@ -318,6 +337,7 @@ def test_triton_backends_on_the_second_gpu_while_the_first_is_current(aitk_dir):
     clear_device_states()
 
 
+@pytest.mark.aitk_triton
 @pytest.mark.parametrize("aitk_dir", DIRS)
 def test_convrot4_activation_at_its_corners_trains_like_stock(engine, device, aitk_dir):
     """convrot4's training activation (quantized to nvfp4 and back by a kernel of layerstream's, proved on the
@@ -401,6 +421,7 @@ def nvfp4_codes(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).view(rows, cols)
 
 
+@pytest.mark.aitk_triton
 @pytest.mark.parametrize("aitk_dir", DIRS)
 def test_nvfp4_decode_is_aitks_own_bit_for_bit_zero_signs_included(device, aitk_dir):
     """The nvfp4 decoder against AI-Toolkit's dequantize_nvfp4 on every code and scale byte: its Triton kernel
@@ -424,6 +445,7 @@ def test_nvfp4_decode_is_aitks_own_bit_for_bit_zero_signs_included(device, aitk_
         assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), name
 
 
+@pytest.mark.aitk_triton
 @pytest.mark.parametrize("aitk_dir", DIRS)
 def test_an_nvfp4_backend_of_the_other_zero_sign_is_proved_and_decoded(engine, device, aitk_dir, monkeypatch):
     """Where AI-Toolkit's nvfp4 dequantization gives code 8 the other zero sign than the one guessed for the
