@@ -107,17 +107,12 @@ HostBlockRef::~HostBlockRef() {
   }
 }
 
-DeviceState::DeviceState(const c10::Device& device, Mode mode) : device_(device), mode_(mode) {
+DeviceState::DeviceState(const c10::Device& device, Mode mode)
+    : device_(device), mode_(mode), budget_(BudgetConfig::from(*Settings::current())) {
   const std::shared_ptr<const Settings> settings = Settings::current();
-  prefetch_ = settings->prefetch;
-  resident_budget_ = settings->resident_bytes;
-  lookahead_layers_ = settings->prefetch_layers;
-  ring_policy_ = settings->ring_policy;
-  vram_budget_ = settings->vram_budget;
-  vram_peak_ = settings->vram_peak;
-  headroom_.set_quarter_above_start(settings->vram_gap == VramGap::kQuarterAboveStart);
-  headroom_.set_lend_gap(settings->vram_gap == VramGap::kLend);
-  ring_fixed_ = settings->ring_bytes.has_value();
+  prefetch_.on = settings->prefetch;
+  prefetch_.lookahead_layers = settings->prefetch_layers;
+  ring_.policy = settings->ring_policy;
   pool_ = std::make_shared<HostPool>();
   ArenaOptions arena;
   arena.chunk_bytes = settings->chunk_bytes;
@@ -151,6 +146,7 @@ DeviceState::DeviceState(const c10::Device& device, Mode mode) : device_(device)
     }
   }
   pool_->arena = std::make_unique<PinnedArena>(*pool_->backend, arena);
+  budget_.set_name(describe());
 }
 
 std::shared_ptr<DeviceState> DeviceState::create(const c10::Device& device, Mode mode) {
@@ -189,7 +185,7 @@ std::vector<std::shared_ptr<DeviceState>> DeviceState::live() {
 std::size_t DeviceState::ring_floor() const {
   // The stock manager keeps its last four forward weights (and four backward ones) on the device; the
   // least ring holds about as much (vram_budget.h). The VRAM budget (auto) deepens it where there is room.
-  return mode_ == Mode::kCuda ? least_ring_bytes(largest_attached_.load(), attached_device_bytes_.load()) : 0;
+  return mode_ == Mode::kCuda ? least_ring_bytes(ring_.largest_attached.load(), ring_.attached_device_bytes.load()) : 0;
 }
 
 std::size_t DeviceState::ring_bytes_for(std::size_t layer_bytes) const {
@@ -200,38 +196,36 @@ std::size_t DeviceState::ring_bytes_for(std::size_t layer_bytes) const {
 TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
   // The ring could not be had at the last call: its message says to lower LAYERSTREAM_RING_MB and call again,
   // so the settings are read again first (outside mu_: a warning may go to a Python log sink).
-  if (ring_build_failed_.exchange(false)) {
+  if (ring_.build_failed.exchange(false)) {
     Settings::refresh();
     std::lock_guard<std::mutex> lock(mu_);
-    ring_fixed_ = Settings::current()->ring_bytes.has_value();
+    budget_.set_ring_fixed(Settings::current()->ring_bytes.has_value());
   }
   std::lock_guard<std::mutex> lock(mu_);
   // The budget's plan chose another ring: rebuild now if no layer is in use (between two layer calls),
   // else at a later call.
-  const bool replan = engine_ && planned_ring_bytes_ != 0 && engine_->stats().leases_outstanding == 0;
+  const bool replan = engine_ && budget_.pending_ring() != 0 && engine_->stats().leases_outstanding == 0;
   // The ring holds three of the largest layer seen so far (ring_bytes_for), not just one: a layer
   // larger than a third of it could never be fetched ahead (the lookahead is a third of the ring) nor
   // sit beside the previous one and the next (seen: FLUX.2's 680 MB layers in a ring sized for the
   // 450 MB ones before them copied on demand, the GPU waiting 1.5 s per step). A ring that
   // LAYERSTREAM_RING_MB fixes grows only to hold the layer at all.
-  const std::size_t wanted = ring_fixed_ ? layer_bytes : 3 * ring_footprint(layer_bytes);
+  const std::size_t wanted = budget_.ring_fixed() ? layer_bytes : 3 * ring_footprint(layer_bytes);
   if (engine_ && engine_->ring_capacity() >= wanted && !replan) return *engine_;
   LS_CHECK(mode_ != Mode::kCpu, "internal: the engine is not used on a CPU process device");
   if (engine_) {
     const EngineStats old = engine_->stats();
     LS_CHECK(old.leases_outstanding == 0, "cannot grow the device ring while ", old.leases_outstanding,
              " layer(s) are in use; attach every layer before the first forward");
-    retired_.add_counters(old);
+    counters_.retired.add_counters(old);
     engine_.reset();
   }
   EngineOptions options;
-  options.ring_policy = ring_policy_;
-  options.ring_bytes = ring_bytes_for(std::max(layer_bytes, largest_attached_.load()));
+  options.ring_policy = ring_.policy;
+  options.ring_bytes = ring_bytes_for(std::max(layer_bytes, ring_.largest_attached.load()));
   if (replan) {
-    options.ring_bytes = std::max(planned_ring_bytes_, options.ring_bytes);
-    planned_ring_bytes_ = 0;
-    keep_plan_ = !shrink_pending_;  // a shrink after memory pressure is planned again
-    shrink_pending_ = false;
+    options.ring_bytes = std::max(budget_.pending_ring(), options.ring_bytes);
+    budget_.on_ring_rebuilt();
   }
   // LAYERSTREAM_TIME_WAITS=1: measure how long compute waits for copies (stats: copy_wait_us).
   options.time_waits = Settings::current()->time_waits;
@@ -241,7 +235,7 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
   try {
     engine_ = std::make_unique<TransferEngine>(*pool_->backend, options);
   } catch (const OutOfDeviceMemory& e) {
-    ring_build_failed_ = true;
+    ring_.build_failed = true;
     throw OutOfDeviceMemory(detail::concat(
         "layerstream could not allocate its device ring of ", options.ring_bytes / kMiB, " MiB on ", describe(),
         " (LAYERSTREAM_RING_MB; by default ", kMinRingLayers, " of the largest layer on a GPU, its dequantized "
@@ -249,10 +243,10 @@ TransferEngine& DeviceState::engine_for(std::size_t layer_bytes) {
         " MiB): ", e.what(), ". Free device memory, or set LAYERSTREAM_RING_MB lower, then call the layer again"));
   }
   ++generation_;
-  ++engines_built_;
+  ++counters_.engines_built;
   log(LogLevel::kInfo, "layerstream engine on " + describe() + ": device ring of " +
                            std::to_string(options.ring_bytes) + " bytes" +
-                           (ring_policy_ == RingPolicy::kLeastRecentlyUsed ? " (placement: least recently used)" : ""));
+                           (ring_.policy == RingPolicy::kLeastRecentlyUsed ? " (placement: least recently used)" : ""));
   return *engine_;
 }
 
@@ -311,23 +305,25 @@ StateStats DeviceState::stats() {
   std::lock_guard<std::mutex> lock(mu_);
   StateStats s;
   if (engine_) s.engine = engine_->stats();
-  s.engine.add_counters(retired_);
+  s.engine.add_counters(counters_.retired);
   s.engine.arena = pool_->arena->stats();
-  s.engines_built = engines_built_;
-  s.dequant_into_scratch = dequant_counts_[static_cast<int>(DequantUse::kIntoScratch)];
-  s.dequant_reused = dequant_counts_[static_cast<int>(DequantUse::kReused)];
-  s.dequant_own_memory = dequant_counts_[static_cast<int>(DequantUse::kOwnMemory)];
-  s.dequant_on_copy = dequant_counts_[static_cast<int>(DequantUse::kOnCopy)];
-  s.ostris_decoded = dequant_counts_[static_cast<int>(DequantUse::kOstrisDecoded)];
-  s.ostris_kept_bytes = ostris_kept_bytes_.load();
-  s.predictor = predictor_.stats();
-  s.vram_budget_planned = recorder_.planned();
-  s.vram_budget_room = budget_room_;
-  s.vram_budget_estimate = budget_estimate_;
-  s.pressure_yields = pressure_yields_.load();
-  s.pressure_yielded_bytes = pressure_yielded_bytes_.load();
-  s.gap_lends = gap_lends_.load();
-  s.gap_lent_bytes = gap_lent_bytes_.load();
+  s.engines_built = counters_.engines_built;
+  const auto& dequant = counters_.dequant;
+  s.dequant_into_scratch = dequant[static_cast<int>(DequantUse::kIntoScratch)];
+  s.dequant_reused = dequant[static_cast<int>(DequantUse::kReused)];
+  s.dequant_own_memory = dequant[static_cast<int>(DequantUse::kOwnMemory)];
+  s.dequant_on_copy = dequant[static_cast<int>(DequantUse::kOnCopy)];
+  s.ostris_decoded = dequant[static_cast<int>(DequantUse::kOstrisDecoded)];
+  s.ostris_kept_bytes = counters_.ostris_kept_bytes.load();
+  s.predictor = prefetch_.predictor.stats();
+  const BudgetCounters budget = budget_.counters();
+  s.vram_budget_planned = budget.planned;
+  s.vram_budget_room = budget.room;
+  s.vram_budget_estimate = budget.estimate;
+  s.pressure_yields = budget.pressure_yields;
+  s.pressure_yielded_bytes = budget.pressure_yielded_bytes;
+  s.gap_lends = budget.gap_lends;
+  s.gap_lent_bytes = budget.gap_lent_bytes;
   if (mode_ == Mode::kSim) s.sim_races = static_cast<SimBackend&>(*pool_->backend).violation_count();
   return s;
 }

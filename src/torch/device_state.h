@@ -13,7 +13,13 @@
 //          fetch/release/reuse logic as CUDA, with fault injection and the race checker.
 //   kCpu:  a CPU process device, as upstream: weights stay in the arena and layers compute on the CPU
 //          directly, without the engine.
-// Thread-safety: engine_for() and the statistics are guarded; the engine is thread-safe itself.
+// Parts: the engine and its ring's sizing (RingSizing), the copies ahead of need (Prefetch), the VRAM
+// budget's policy (BudgetController, torch-free, in the core: this state feeds it events and carries out
+// its actions), the counters (Counters), and the pending downloads.
+// Thread-safety: mu_ guards the engine, the prefetch state, the budget's serialized calls and the pending
+// downloads; the engine is thread-safe itself. Without mu_: the layer-call step edge, the end of a backward
+// (autograd's callback thread) and the pressure thresholds torch's allocator callbacks read (atomics in
+// the budget); yield_for_pressure takes mu_ with try_lock only (the allocator may run inside our own call).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -32,6 +38,7 @@
 
 #include "layerstream/access_predictor.h"
 #include "layerstream/backend.h"
+#include "layerstream/budget_controller.h"
 #include "layerstream/pinned_arena.h"
 #include "layerstream/shared_host.h"
 #include "layerstream/stats_fields.h"
@@ -68,15 +75,6 @@ class HostBlockRef {
   HostBlock block_;
 };
 
-// What the device can give this process and what it has used at its peak (for the VRAM budget).
-struct DeviceMemoryView {
-  std::size_t limit = 0;  // bytes the process may use ("auto": free + its own reserved, under torch's fraction)
-  std::size_t peak = 0;   // the most the process has held (torch's peak reserved on CUDA)
-  bool cycles = false;  // measured by LAYERSTREAM_VRAM_PEAK=cycles (CyclePeaks, the default), not the window
-  std::size_t held_since = 0;  // of `peak`: what the step made after its own peak and still holds (steady_peak)
-  std::size_t gap_peak = 0;    // the peak between steps (cycles only; 0: not measured)
-  std::size_t gap_start = 0;   // what the current cycle began with, the gap's floor (cycles only)
-};
 
 // How a quantized or packed layer's weight was rebuilt for one use: into its ring region's scratch, found
 // there from an earlier use of the same copy, into memory of its own (torch's allocator: resident layers,
@@ -127,8 +125,8 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // weight) was attached: the engine built at the first call sizes its ring for the largest of them (so the
   // ring need not grow, a rebuild, as larger layers come along).
   void note_attached(std::size_t device_bytes) {
-    raise_to(largest_attached_, device_bytes);
-    attached_device_bytes_ += device_bytes;
+    raise_to(ring_.largest_attached, device_bytes);
+    ring_.attached_device_bytes += device_bytes;
   }
   // The engine as it is (nullptr before the first streamed call), never building one.
   TransferEngine* current_engine();
@@ -179,30 +177,26 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // The free device memory under which a cache miss of torch's allocator inside a training step counts as
   // pressure: half the headroom the budget's last plan left (the plan expects the step's peak to leave all
   // of it free, so a miss at the planned peak is not pressure); 0 before a plan: nothing to give back.
-  std::size_t pressure_threshold() const { return pressure_threshold_.load(); }
+  std::size_t pressure_threshold() const { return budget_.pressure_threshold(); }
   // Between steps (BudgetHeadroom::is_pressure): a quarter of what the process may use, for what the gap
   // holds and what is free together.
-  std::size_t gap_pressure_threshold() const { return gap_pressure_threshold_.load(); }
+  std::size_t gap_pressure_threshold() const { return budget_.gap_pressure_threshold(); }
   // Whether a training step is under way: from a layer's use in a forward with grad enabled to the end of
   // the backward pass that follows (note_backward_pass). Between steps (the optimizer, samples, a text
   // encoder, the user's own tensors) the budget's plan knows nothing of what the process allocates, so a
   // cache miss of torch's allocator there gives every resident layer back (the allocation's size is not
   // known to the allocator's callbacks), and the plan is made again without more headroom.
-  bool in_training_step() const { return in_step_.load(); }
+  bool in_training_step() const { return budget_.in_training_step(); }
   // Whether the layer use being observed is a training step's first (LAYERSTREAM_VRAM_PEAK=cycles' window).
-  bool step_began_at_this_use() const { return step_began_.load(); }
-  VramPeak vram_peak() const { return vram_peak_; }
+  bool step_began_at_this_use() const { return budget_.step_began(); }
+  VramPeak vram_peak() const { return budget_.vram_peak(); }
   // LAYERSTREAM_VRAM_GAP=start: between steps the quarter is asked of what is free and what the gap holds
   // together (BudgetHeadroom::is_pressure).
-  bool quarter_above_start() const { return headroom_.quarter_above_start(); }  // set once, at construction
+  bool quarter_above_start() const { return budget_.quarter_above_start(); }
   // Of `held`, the bytes held above the training cycle's start, what the gap holds: less the copies the
   // budget's plan made in this cycle (its resident layers and the ring's growth), which the next cycle's
-  // start counts. (Without that, on the H200 2026-12-02, the plan's own copies passed for the gap's use and a
-  // user's allocation between steps with little free was not taken for pressure.)
-  std::size_t held_by_gap(std::size_t held) const {
-    const std::size_t own = plan_added_bytes_.load();
-    return held > own ? held - own : 0;
-  }
+  // start counts (else the plan's own copies pass for the gap's use).
+  std::size_t held_by_gap(std::size_t held) const { return budget_.held_by_gap(held); }
   // Called by a layer's backward: queues, once per backward pass (autograd graph task), the end of the step.
   void note_backward_pass();
 
@@ -216,8 +210,8 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // True the first time it is called for autograd graph task `task` (since another task claimed it):
   // the caller then queues the end-of-backward join, the others need not.
   bool claim_end_of_backward_join(int task) { return join_task_.exchange(task) != task; }
-  void note_dequant(DequantUse use) { ++dequant_counts_[static_cast<int>(use)]; }
-  void note_ostris_kept(std::size_t bytes) { ostris_kept_bytes_ += bytes; }
+  void note_dequant(DequantUse use) { ++counters_.dequant[static_cast<int>(use)]; }
+  void note_ostris_kept(std::size_t bytes) { counters_.ostris_kept_bytes += bytes; }
   StateStats stats();
   std::string describe() const;
 
@@ -233,76 +227,53 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // than the attached layers take ("min": about what the stock manager holds at the same settings).
   std::size_t ring_floor() const;
 
+  // The device ring's sizing: the largest layer attached and all of them (any thread: atomics), the
+  // placement setting, and whether the last ring could not be had.
+  struct RingSizing {
+    std::atomic<std::size_t> largest_attached{0};
+    std::atomic<std::size_t> attached_device_bytes{0};  // every layer's device_bytes ever attached here
+    RingPolicy policy = RingPolicy::kFifo;              // LAYERSTREAM_RING_POLICY
+    std::atomic<bool> build_failed{false};  // the last ring could not be allocated: read the settings again
+  };
+  // Copies ahead of need (under mu_, but `on` and `lookahead_layers` are set once, at construction).
+  struct Prefetch {
+    bool on = true;  // LAYERSTREAM_PREFETCH
+    // How many predicted layers a call may copy ahead (and at most a third of the ring's bytes);
+    // LAYERSTREAM_PREFETCH_LAYERS.
+    std::size_t lookahead_layers = 8;
+    AccessPredictor predictor;
+    std::uint64_t predictor_generation = 0;  // the engine generation whose layer ids it has seen
+    std::unordered_set<LayerId> fresh_each_use;  // note_use(): layers never copied ahead of need
+  };
+  // The state's own counters (stats()): engines built and retired, how weights were rebuilt.
+  struct Counters {
+    std::uint64_t engines_built = 0;  // under mu_
+    EngineStats retired;              // counters of engines replaced by a larger one; under mu_
+    std::array<std::atomic<std::uint64_t>, 5> dequant{};  // by DequantUse
+    std::atomic<std::uint64_t> ostris_kept_bytes{0};      // stats' ostris_kept_bytes
+  };
+  static void raise_to(std::atomic<std::size_t>& value, std::size_t to) {
+    std::size_t seen = value.load();
+    while (to > seen && !value.compare_exchange_weak(seen, to)) {
+    }
+  }
+
   c10::Device device_;
   Mode mode_;
   std::shared_ptr<HostPool> pool_;
   std::mutex mu_;
   std::unique_ptr<TransferEngine> engine_;
   std::uint64_t generation_ = 0;
-  std::uint64_t engines_built_ = 0;
-  std::array<std::atomic<std::uint64_t>, 5> dequant_counts_{};  // by DequantUse
-  EngineStats retired_;  // counters of engines replaced by a larger one
-  bool prefetch_ = true;
-  // How many predicted layers a call may copy ahead (and at most a third of the ring's bytes);
-  // LAYERSTREAM_PREFETCH_LAYERS.
-  std::size_t lookahead_layers_ = 8;
-  RingPolicy ring_policy_ = RingPolicy::kFifo;  // LAYERSTREAM_RING_POLICY
-  std::atomic<std::size_t> largest_attached_{0};
-  std::atomic<std::size_t> attached_device_bytes_{0};  // every layer's device_bytes ever attached here
-  static void raise_to(std::atomic<std::size_t>& value, std::size_t to) {
-    std::size_t seen = value.load();
-    while (to > seen && !value.compare_exchange_weak(seen, to)) {
-    }
-  }
-  std::size_t resident_budget_ = 0;  // LAYERSTREAM_RESIDENT_MB
-  VramBudget vram_budget_;           // LAYERSTREAM_VRAM_BUDGET
-  BudgetRecorder recorder_;  // which uses the budget plans from, and when (vram_budget.h)
-  BudgetHeadroom headroom_;  // the plan's headroom and when a miss is pressure (vram_budget.h)
-  std::size_t budget_room_ = 0;
-  std::uint64_t budget_estimate_ = 0;
-  // The ring the budget's plan chose (0: none pending), built at the next call with no layer in use; the
-  // host blocks of the layers it keeps resident, made resident as they register with the new engine.
-  bool ring_fixed_ = false;  // LAYERSTREAM_RING_MB given: the plan keeps the ring as it is
-  std::atomic<bool> ring_build_failed_{false};  // the last ring could not be allocated: read the settings again
-  std::size_t planned_ring_bytes_ = 0;
-  bool keep_plan_ = false;   // the next rebuild is the plan's own: it is not planned again
-  bool shrink_pending_ = false;  // the pending rebuild is memory pressure's (back to the least ring): plan again
-  // LAYERSTREAM_VRAM_PEAK=cycles: a plan due before the window saw a gap between steps waits for the next
-  // step's first forward (the plan leaves room at the gap's peak too). Under mu_.
-  bool plan_deferred_ = false;
-  std::atomic<bool> gap_in_window_{false};  // a backward ended since the window began
-  // Memory pressure (yield_for_pressure): set by the yield, handled at the next layer call under mu_.
-  std::atomic<bool> pressure_pending_{false};
-  // Resident bytes that left with a freed model since the plan (note_resident_layer_gone), handled likewise.
-  std::atomic<std::size_t> resident_gone_bytes_{0};
-  std::atomic<std::uint64_t> pressure_yields_{0};
-  std::atomic<std::uint64_t> pressure_yielded_bytes_{0};
-  std::atomic<std::size_t> pressure_threshold_{0};
-  std::atomic<std::size_t> gap_pressure_threshold_{0};
-  std::atomic<bool> pressure_between_steps_{false};  // the pending yield came from between two steps
-  std::atomic<std::size_t> pressure_free_{std::numeric_limits<std::size_t>::max()};  // free at the last yield
-  // LAYERSTREAM_VRAM_GAP=lend (BudgetHeadroom::set_lend_gap): the bytes of the plan's resident layers that
-  // the gap's quarter lends them; whether this gap gave them back already (reset at each step's start);
-  // the layers given back, made resident again at their next use in a training step (under mu_).
-  std::atomic<std::size_t> lendable_bytes_{0};
-  std::atomic<bool> gap_lent_{false};
-  std::unordered_set<LayerId> to_remake_;
-  std::atomic<std::uint64_t> gap_lends_{0};
-  std::atomic<std::uint64_t> gap_lent_bytes_{0};
-  std::atomic<std::uint64_t> ostris_kept_bytes_{0};  // stats' ostris_kept_bytes
-  // Gaps in a row that took the lent quarter back (reset by a step whose gap before it did not); at
-  // kLendsInARow lending stops and the budget plans again with the quarter left free (lend_stopped_ says so
-  // in that plan's warning).
-  static constexpr int kLendsInARow = 3;
-  std::atomic<int> lends_in_a_row_{0};
-  std::atomic<bool> lend_stopped_{false};
-  std::atomic<bool> in_step_{false};                 // in_training_step()
-  std::atomic<bool> step_began_{false};              // step_began_at_this_use()
-  VramPeak vram_peak_ = VramPeak::kCycles;           // LAYERSTREAM_VRAM_PEAK
-  std::atomic<std::size_t> plan_added_bytes_{0};     // held_by_gap(): made by this cycle's plan
-  std::atomic<int> step_task_{-1};                   // the graph task whose end-of-step callback is queued
-  std::unordered_set<const void*> planned_resident_;
-  std::unordered_set<LayerId> fresh_each_use_;  // note_use(): layers never copied ahead of need
+  RingSizing ring_;
+  Prefetch prefetch_;
+  Counters counters_;
+  // The VRAM budget's policy (budget_controller.h): its any-thread calls without mu_, the others under it.
+  BudgetController budget_;
+  std::atomic<int> step_task_{-1};  // the graph task whose end-of-step callback is queued
+  std::vector<c10::Storage> downloads_in_flight_;  // memory the pending downloads read or write; under mu_
+  Stream host_stream_;   // sim only
+  std::atomic<int> join_task_{-1};  // the graph task whose end-of-backward join is queued
+
   // What a layer call leaves the caller to do outside mu_ (a Python log sink takes the GIL).
   struct UseOutcome {
     bool plan_now = false;            // plan the budget now
@@ -312,43 +283,25 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
     std::string gone_report;          // resident layers that left with their model: the plan is made again
   };
   UseOutcome observe_and_prefetch(LayerId layer, bool fresh_each_use);  // takes mu_
-  // After resident copies were given back (`freed` bytes; `free_bytes` free then, SIZE_MAX: not known):
-  // counts them, and nothing more is given back until the budget plans again (request_replan). Caller holds
-  // mu_ (as yield_for_pressure does).
-  void note_yield(std::size_t freed, bool between_steps, std::size_t free_bytes);
-  // The budget plans again at the next layer call; `between_steps`: the reason came from outside a training
-  // step (the headroom stays), unless a yield inside one is pending already.
-  void request_replan(bool between_steps);
-  // Drops the budget's plan (the recorder, the layers planned for a rebuilt engine, what the gap may lend):
-  // it is made again from the next training steps. Caller holds mu_.
-  void forget_plan_locked();
+  // Copies the predicted layers ahead of need (or, lent to the last gap, into their own memory again).
+  // Caller holds mu_; returns what a copy that could not be issued raised ("" if none).
+  std::string prefetch_locked(LayerId layer, bool training);
   // LAYERSTREAM_VRAM_GAP=lend: a layer the last gap took back becomes resident again (at its use or its copy
   // ahead of need in a training step); nothing for any other layer. Caller holds mu_.
-  void remake_resident_locked(LayerId layer);
-  // After a yield to memory pressure: the budget plans again from the next training steps. Caller holds mu_.
-  std::string replan_after_pressure_locked();
+  void remake_resident_locked(LayerId layer, bool training);
   // Starts the windowed peak (the simulator's own, or the resolver's starter on CUDA). Caller holds mu_.
   void start_peak_window_locked();
   // A training cycle's event: to the simulated device's CyclePeaks, or to the CUDA glue's (set_memory_resolver).
   void mark_cycle(CycleEvent event);
   DeviceMemoryView memory_view();
   std::string apply_vram_budget_locked(const DeviceMemoryView& view);  // the line to log
-  // Makes the plan's layers resident (`resident`, by index of `ids`; with `rebuild`, as they register with
+  // Makes the plan's layers resident (`resident`, by index of `layers`; with `rebuild`, as they register with
   // the rebuilt engine), and with `give_back_others` gives back the resident copies the plan no longer keeps.
-  struct KeptLayers {
-    std::size_t layers = 0, bytes = 0, streamed = 0, not_copied = 0;
-    std::string copy_error;  // what the last copy that could not be issued raised
-  };
-  KeptLayers keep_resident_locked(const std::vector<LayerId>& ids, const std::vector<std::size_t>& sizes,
-                                  const std::vector<bool>& resident, bool rebuild, bool give_back_others);
+  KeptLayers keep_resident_locked(const std::vector<PlannedLayer>& layers, const std::vector<bool>& resident,
+                                  bool rebuild, bool give_back_others);
   // A layer's packed bytes, or with in_ring what it takes in the ring (its scratch too); nullopt: removed
   // from the engine.
   std::optional<std::size_t> layer_bytes_locked(LayerId layer, bool in_ring) const;
-  AccessPredictor predictor_;
-  std::uint64_t predictor_generation_ = 0;  // the engine generation whose layer ids it has seen
-  std::vector<c10::Storage> downloads_in_flight_;  // memory the pending downloads read or write
-  Stream host_stream_;   // sim only
-  std::atomic<int> join_task_{-1};  // the graph task whose end-of-backward join is queued
 };
 
 }  // namespace layerstream::torchglue

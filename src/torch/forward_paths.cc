@@ -8,7 +8,7 @@
 #include "layer_kinds.h"
 #include "layerstream/check.h"
 #include "layerstream/log.h"
-#include "ostris_layer.h"
+#include "module_tensors.h"
 #include "packed_weight_glue.h"
 #include "py_torch.h"
 
@@ -101,7 +101,7 @@ py::object streamed_forward(const py::object& module, StreamedLayer& layer, cons
 // now takes. The StreamedLayer it had goes (a tensor still viewing its block keeps the block: tied weights).
 void attach_again(const py::object& module, LayerManager& core, const std::shared_ptr<DeviceState>& state,
                   bool conv) {
-  const std::string was = path_name(core.path);
+  const std::string was = path_name(core);
   core.layer.reset();
   core.quant_weight = py::none();
   core.holder_attr.clear();
@@ -112,7 +112,7 @@ void attach_again(const py::object& module, LayerManager& core, const std::share
   const std::string kind = describe_weight(weight);
   attach_weighted(module, core, state, conv);
   mark_params_managed(module);
-  const std::string now = path_name(core.path);
+  const std::string now = path_name(core);
   log_once("attach-again-" + was + "-" + now + "-" + type, LogLevel::kInfo,
            "a managed layer's weight changed kind after attach (now " + kind + "): layers whose weight becomes " +
                type + " leave the " + was + " path for the " + now + " path");
@@ -142,7 +142,7 @@ py::object unmanaged_holder(const py::object& module, const py::object& mgr, con
 // path). Packing it again would put it back on the host under the other module, which the next move undoes.
 void leave_to_holder(const py::object& module, LayerManager& core, const std::string& holder) {
   core.layer.reset();  // the block it packed goes with it: the Parameter no longer views it
-  core.path = ForwardPath::kGeneric;
+  core.form = &stored_form("generic");
   const std::string layer_type = py::str(py::type::of(module).attr("__name__")).cast<std::string>();
   log_once("tied-unmanaged", LogLevel::kInfo,
            "a managed " + layer_type + "'s weight is also the weight of " + holder +
@@ -154,17 +154,16 @@ void leave_to_holder(const py::object& module, LayerManager& core, const std::st
 py::object call_path(const py::object& module, const py::object& mgr, LayerManager& core, const py::object& x,
                      const std::shared_ptr<DeviceState>& state, bool conv) {
   for (int attempt = 0;; ++attempt) {
-    switch (core.path) {
-      case ForwardPath::kOstris:
-        return ostris_forward(module, core, mgr.attr("_original_forward"), x, state);
-      case ForwardPath::kGeneric:
+    // What a call does follows from what the stored form puts in the arena (none before attach: plain).
+    switch (core.form == nullptr ? ArenaParts::kWeightBias : core.form->parts) {
+      case ArenaParts::kModuleTensors:
+        return module_tensors_forward(module, core, mgr.attr("_original_forward"), x, state);
+      case ArenaParts::kNone:
         return generic_forward(module, x, conv, state);
-      case ForwardPath::kQuantized:
+      case ArenaParts::kCodesScaleBias:
         if (std::optional<py::object> out = quantized_forward(module, core, x, conv, state)) return *out;
         break;
-      case ForwardPath::kStreamed:
-      case ForwardPath::kCpu:
-      case ForwardPath::kUnset: {
+      case ArenaParts::kWeightBias: {
         const py::object weight_obj = param_of(module, "weight");
         if (!has_plain_type(weight_obj)) break;
         if (is_packed_weight(weight_obj)) return streamed_forward(module, *core.layer, weight_obj, x);
@@ -229,58 +228,77 @@ void pack_quantized(const py::object& module, LayerManager& core) {
   core.scale_attr = q->scale_attr;
 }
 
-// Linear and Conv2d: a plain weight is packed (streamed, or cpu on a CPU state), a quantized one the
-// engine streams as stored is packed as codes and scale, anything else takes the generic path.
+namespace {
+
+// A plain weight (and bias) packed into the arena; LAYERSTREAM_HOST_DTYPE may store it compressed.
+void attach_plain(const py::object& module, LayerManager& core, const std::shared_ptr<DeviceState>& state,
+                  bool conv) {
+  py::object weight = py::dict(module.attr("_parameters")).attr("get")("weight");
+  py::object bias = py::getattr(module, "bias", py::none());
+  core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,
+                                                  conv ? conv_params_of(module) : ConvParams{});
+  if (is_packed_weight(weight)) {
+    // A PackedWeight (of a layer managed before): plain again, packed below as this layer's. One that
+    // another live layer holds (tied weights) cannot be swapped; it stays as it is.
+    try {
+      packed_weight_module().attr("unwrap")(weight);
+    } catch (const py::error_already_set&) {
+    }
+  }
+  // A Parameter another managed layer already packed (tied weights): that layer's block keeps it.
+  const bool tied = py::hasattr(weight, "_is_memory_managed");
+  const at::Tensor values =
+      is_packed_weight(weight) ? weight.attr("_ls_packed").attr("values")().cast<at::Tensor>() : at::Tensor();
+  core.layer->pack(weight.cast<at::Tensor>(), tensor_or_undefined(bias), tied, values);
+  if (take_staging_pin_failure()) {
+    log_once("lossless-staging-unpinned", LogLevel::kWarning,
+             "layerstream: page-locked host memory for a weight's copy from the GPU could not be allocated "
+             "(a limit on locked memory?); lossless packing copies into pageable memory instead, which is "
+             "slower at attach and the same afterwards");
+  }
+  if (core.layer->lossless_takes_weight()) sync_packed_weight(module, *core.layer);
+  if (!is_packed_weight(weight)) core.packed_data = weight.cast<at::Tensor>().data_ptr();
+}
+
+// Nothing streamed: the weights go to the host, and each call moves them as stored.
+void attach_generic(const py::object& module) {
+  py::object weight = py::dict(module.attr("_parameters")).attr("get")("weight");
+  const bool empty = weight.is_none() || weight.attr("numel")().cast<std::int64_t>() == 0;
+  if (!empty && !is_plain(weight)) {
+    const std::string kind = describe_weight(weight);
+    log_once("generic-weight-" + kind, LogLevel::kInfo,
+             "weights of type " + kind + " take the generic path (moved as stored and dequantized by their "
+             "library at every call, no prefetch): not a layout layerstream streams natively (docs/ai-toolkit.md, "
+             "Quantized weights)");
+  }
+  move_params_to_cpu(module);
+}
+
+}  // namespace
+
+void attach_form(const py::object& module, LayerManager& core, const std::shared_ptr<DeviceState>& state, bool conv,
+                 const Recognised& recognised) {
+  core.form = recognised.form;
+  core.slots_of = recognised.slots_of;
+  core.after_pack = recognised.after_pack;
+  core.cpu_state = state->mode() == Mode::kCpu;
+  switch (core.form->parts) {
+    case ArenaParts::kWeightBias: attach_plain(module, core, state, conv); break;
+    case ArenaParts::kCodesScaleBias:
+      core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,
+                                                      conv ? conv_params_of(module) : ConvParams{});
+      pack_quantized(module, core);
+      break;
+    case ArenaParts::kModuleTensors: attach_module_tensors(module, core, state); break;
+    case ArenaParts::kNone: attach_generic(module); break;
+  }
+}
+
 void attach_weighted(const py::object& module, LayerManager& core, const std::shared_ptr<DeviceState>& state,
                      bool conv) {
   py::object weight = py::dict(module.attr("_parameters")).attr("get")("weight");
-  py::object bias = py::getattr(module, "bias", py::none());
-  refuse_meta_weights(module, weight, bias);
-  // Zero-size layers have nothing to stream: they take the generic path (moved per call, for free).
-  const bool empty = !weight.is_none() && weight.attr("numel")().cast<std::int64_t>() == 0;
-  const bool plain = !weight.is_none() && !empty && is_plain(weight) && is_plain(bias) &&
-                     (!conv || conv_is_plain(module));
-  if (plain) {
-    core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,
-                                                    conv ? conv_params_of(module) : ConvParams{});
-    if (is_packed_weight(weight)) {
-      // A PackedWeight (of a layer managed before): plain again, packed below as this layer's. One that
-      // another live layer holds (tied weights) cannot be swapped; it stays as it is.
-      try {
-        packed_weight_module().attr("unwrap")(weight);
-      } catch (const py::error_already_set&) {
-      }
-    }
-    // A Parameter another managed layer already packed (tied weights): that layer's block keeps it.
-    const bool tied = py::hasattr(weight, "_is_memory_managed");
-    const at::Tensor values =
-        is_packed_weight(weight) ? weight.attr("_ls_packed").attr("values")().cast<at::Tensor>() : at::Tensor();
-    core.layer->pack(weight.cast<at::Tensor>(), tensor_or_undefined(bias), tied, values);
-    if (take_staging_pin_failure()) {
-      log_once("lossless-staging-unpinned", LogLevel::kWarning,
-               "layerstream: page-locked host memory for a weight's copy from the GPU could not be allocated "
-               "(a limit on locked memory?); lossless packing copies into pageable memory instead, which is "
-               "slower at attach and the same afterwards");
-    }
-    if (core.layer->lossless_takes_weight()) sync_packed_weight(module, *core.layer);
-    if (!is_packed_weight(weight)) core.packed_data = weight.cast<at::Tensor>().data_ptr();
-    core.path = state->mode() == Mode::kCpu ? ForwardPath::kCpu : ForwardPath::kStreamed;
-  } else if (!empty && (!conv || conv_is_plain(module)) && is_plain(bias) && streams_quantized(weight)) {
-    core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,
-                                                    conv ? conv_params_of(module) : ConvParams{});
-    pack_quantized(module, core);
-    core.path = ForwardPath::kQuantized;
-  } else {
-    if (!empty && !is_plain(weight)) {
-      const std::string kind = describe_weight(weight);
-      log_once("generic-weight-" + kind, LogLevel::kInfo,
-               "weights of type " + kind + " take the generic path (moved as stored and dequantized by their "
-               "library at every call, no prefetch): not a layout layerstream streams natively (docs/ai-toolkit.md, "
-               "Quantized weights)");
-    }
-    move_params_to_cpu(module);
-    core.path = ForwardPath::kGeneric;
-  }
+  refuse_meta_weights(module, weight, py::getattr(module, "bias", py::none()));
+  attach_form(module, core, state, conv, recognise_weighted(module, conv));
 }
 
 void mark_params_managed(const py::object& module) {

@@ -1,7 +1,7 @@
 // The forward a managed layer gets, and the paths it dispatches to (layer_manager.h names them): the
 // streamed and cpu paths call the StreamedLayer's autograd function; the quantized path checks the packed
 // codes are current and calls its frozen forward; the generic path moves the weight as stored and lets its
-// library dequantize it; the OstrisLinear path is in ostris_layer.h. Every function here needs the GIL.
+// library dequantize it; the module-tensor path (OstrisLinear, ...) is in module_tensors.h. Every function here needs the GIL.
 #pragma once
 
 #include <torch/csrc/utils/pybind.h>
@@ -23,9 +23,14 @@ void move_params_to_cpu(const py::object& module);
 // weight object's codes and scale become views of the arena block.
 void pack_quantized(const py::object& module, LayerManager& core);
 
-// Linear and Conv2d at attach: a plain weight is packed (the streamed path, or cpu on a CPU state), a quantized
-// one the engine streams as stored is packed as codes and scale (quantized), anything else takes the generic
-// path. Sets core.layer and core.path. Also when a weight changed kind after attach (the forward calls it again).
+// Attaches the layer in the stored form its recogniser saw (layer_kinds.h): packs what the form puts in the arena
+// and sets core.layer, core.form and what the form's calls need.
+void attach_form(const py::object& module, LayerManager& core, const std::shared_ptr<DeviceState>& state, bool conv,
+                 const Recognised& recognised);
+
+// Linear and Conv2d at attach: attach_form on what recognise_weighted sees (a plain weight: the streamed path, or
+// cpu on a CPU state; a quantized one the engine streams as stored: codes and scale; ...; anything else the
+// generic path). Also when a weight changed kind after attach (the forward calls it again).
 void attach_weighted(const py::object& module, LayerManager& core, const std::shared_ptr<DeviceState>& state,
                      bool conv);
 

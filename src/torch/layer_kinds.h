@@ -1,7 +1,7 @@
-// Which layers stream how: what a layer's weight is (plain dense tensor, a library's quantized tensor
-// layerstream streams as stored, or something else), recognised from its Python type and attributes.
-// torchao and optimum-quanto are matched by module and class name, never imported. Every function here
-// needs the GIL.
+// Which layers stream how: the recognisers, one per source library (torch, optimum-quanto, torchao,
+// AI-Toolkit's OstrisLinear, ...), each mapping a module and its weight to a stored form (layerstream/
+// stored_form.h) and what that form's packing needs; everything downstream takes the stored form. Libraries
+// are matched by module and class name, never imported. Every function here needs the GIL.
 #pragma once
 
 #include <torch/csrc/utils/pybind.h>
@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "layerstream/stored_form.h"
 #include "streamed_layer.h"
 
 namespace layerstream::torchglue {
@@ -39,13 +40,52 @@ bool needs_dequantize(const py::object& w);
 // one dimension per codes dimension ([out, 1, ...]) where the library keeps it as [out];
 // `scale_sizes` is the library's own shape, which the packed view gets back.
 struct QuantSource {
-  std::string library;
+  const StoredForm* form = nullptr;
   py::object holder;
   std::string holder_attr, codes_attr, scale_attr;
   at::Tensor codes, scale;
   std::vector<std::int64_t> scale_sizes;
   at::ScalarType math = at::kFloat, result = at::kBFloat16;
 };
+
+// One tensor a module's own forward reads (a kModuleTensors form), and where it lives on the module.
+// kBuffer: module._buffers[name]. kParameterData: the Parameter at `name` (a dotted path from the module),
+// whose data is set (the Parameter object stays: LoRA and optimizers hold it, autograd gives it gradients).
+// kFrozenParameter: module._parameters[name], a Parameter that takes no gradient, whose host data is set at
+// packing and which a call replaces by a Parameter of the same class and attributes over the staged data
+// (what the call keeps of it, as a library's autograd function keeps its weight, keeps the staged data).
+// kAttribute: the attribute at `name` of the object at `owner` (both dotted paths from the module); a call's
+// staged tensors are set on shallow copies of the owner (and of the objects between it and the tensor), put
+// in the owner's place for the call, so whatever the call keeps (autograd's saved state) keeps the staged
+// tensors, never the host ones. Slots are listed in block order; an owner path may go through an earlier
+// kFrozenParameter slot (it then resolves to the call's replacement).
+struct TensorSlot {
+  enum class Kind { kBuffer, kParameterData, kFrozenParameter, kAttribute };
+  Kind kind = Kind::kBuffer;
+  std::string owner;
+  std::string name;
+  bool operator==(const TensorSlot& o) const { return kind == o.kind && owner == o.owner && name == o.name; }
+};
+// The module's tensor in `slot` (None when the slot holds none).
+py::object read_slot(const py::object& module, const TensorSlot& slot);
+
+struct LayerManager;
+
+// What a recogniser saw in a layer: its stored form and what packing that form needs.
+struct Recognised {
+  const StoredForm* form = nullptr;
+  // kModuleTensors forms: the tensors the module's own forward reads, as the module holds them now (called
+  // again at each call: a different set means the layer is packed again).
+  std::vector<TensorSlot> (*slots_of)(const py::object& module) = nullptr;
+  // Runs after each packing of module tensors (OstrisLinear: which of its backends layerstream decodes).
+  void (*after_pack)(const py::object& module, LayerManager& core) = nullptr;
+};
+
+// The stored form of a Linear or Conv2d layer's weight: each library's recogniser is asked in turn;
+// "generic" when none takes it (a zero-size or meta weight is generic too).
+Recognised recognise_weighted(const py::object& module, bool conv);
+// AI-Toolkit's OstrisLinear (attached through OstrisLinearLayerMemoryManager): its buffers, then its bias.
+Recognised recognise_ostris_layer(const py::object& module);
 
 // The weight as a QuantSource when it is a layout streamed natively (optimum-quanto's qbytes tensors,
 // torchao's Float8Tensor and float8 AffineQuantizedTensor); nullopt otherwise.

@@ -2,14 +2,12 @@
 // calls take. Python attributes (module, manager, _original_forward) live in its __dict__, which the
 // garbage collector can traverse; the C++ members below are what the installed forward reads.
 //
-// The path is chosen at attach (forward_paths.cc, attach_weighted) from the layer and its weight
-// (layer_kinds.h), and chosen again at the first call after the weight changed kind (a plain weight quantized
-// after attach, as AI-Toolkit quantizes its text encoders; a quantized one given a plain weight back):
-//   kStreamed   a plain dense weight, packed into the arena and fetched through the engine per call;
-//   kCpu        the same on a CPU device state (nothing to move);
-//   kQuantized  a library-quantized weight streamed as stored (codes and scale), dequantized on the device;
-//   kGeneric    anything else: moved as stored and dequantized by its library at every call;
-//   kOstris     AI-Toolkit's OstrisLinear: its quantized buffers packed, staged around its own forward.
+// The layer's stored form is recognised at attach (layer_kinds.h: one recogniser per source library), and again at
+// the first call after the weight changed kind (a plain weight quantized after attach, as AI-Toolkit quantizes its
+// text encoders; a quantized one given a plain weight back). The form's arena parts decide what a call does
+// (forward_paths.cc): a weight and bias packed and fetched per call (the streamed path, or cpu on a CPU state),
+// codes and a scale dequantized on the device (quantized), the module's tensors staged around its own forward
+// (module_tensors.cc), or nothing streamed (generic: moved as stored and dequantized by its library per call).
 #pragma once
 
 #include <torch/csrc/utils/pybind.h>
@@ -17,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "layer_kinds.h"
 #include "ostris_fast.h"
 #include "streamed_layer.h"
 
@@ -24,24 +23,10 @@ namespace layerstream::torchglue {
 
 namespace py = pybind11;
 
-enum class ForwardPath { kUnset, kStreamed, kCpu, kQuantized, kGeneric, kOstris };
-
-// The name Python reads as `path` ("" before attach).
-inline const char* path_name(ForwardPath path) {
-  switch (path) {
-    case ForwardPath::kStreamed: return "streamed";
-    case ForwardPath::kCpu: return "cpu";
-    case ForwardPath::kQuantized: return "quantized";
-    case ForwardPath::kGeneric: return "generic";
-    case ForwardPath::kOstris: return "ostris";
-    case ForwardPath::kUnset: break;
-  }
-  return "";
-}
-
 struct LayerManager {
   c10::intrusive_ptr<StreamedLayer> layer;  // null on the generic path
-  ForwardPath path = ForwardPath::kUnset;
+  const StoredForm* form = nullptr;           // null before attach; an entry of stored_forms() after
+  bool cpu_state = false;                     // attached to a CPU device state (the plain form's "cpu" path)
   // Quantized path: the weight object whose codes were packed, the attribute of it that holds the codes
   // and scale ("" when the weight holds them itself; torchao's AffineQuantizedTensor keeps them in its
   // `tensor_impl`), and the attribute names of its codes and scale (they differ between libraries).
@@ -51,12 +36,20 @@ struct LayerManager {
   // that finds it elsewhere (swapped storage, a new Parameter) asks whether an unmanaged module of the model holds
   // the weight before it is packed again (forward_paths.cc, unmanaged_holder); in-place writes do not move it.
   const void* packed_data = nullptr;
-  // OstrisLinear path: the names of the packed buffers, in block order (then the bias, when it has one).
-  std::vector<std::string> buffer_names;
-  bool ostris_bias = false;
-  // OstrisLinear path: the backend's weight decoded by layerstream where it is one of the formats it knows.
+  // Module-tensor forms: the packed tensors, in block order, and how to list the module's current ones.
+  std::vector<TensorSlot> slots;
+  std::vector<TensorSlot> (*slots_of)(const py::object& module) = nullptr;
+  void (*after_pack)(const py::object& module, LayerManager& core) = nullptr;
+  // OstrisLinear: the backend's weight decoded by layerstream where it is one of the formats it knows.
   OstrisFast ostris_fast;
   virtual ~LayerManager() = default;
 };
+
+// The name Python reads as `path` ("" before attach): the form's path, "cpu" for a plain one on a CPU state.
+inline std::string path_name(const LayerManager& m) {
+  if (m.form == nullptr) return "";
+  if (m.cpu_state && m.form->parts == ArenaParts::kWeightBias) return "cpu";
+  return std::string(m.form->path);
+}
 
 }  // namespace layerstream::torchglue

@@ -11,7 +11,7 @@
 // its `_layer_memory_manager` object, so no reference cycle hides from Python's garbage collector.
 //
 // The parts, one concept a file: device_registry (the _DEVICE_STATE dict), layer_kinds (which weights
-// stream how), forward_paths and ostris_layer (what a call does, per LayerManager::path), telemetry
+// stream how), forward_paths and module_tensors (what a call does, per LayerManager::form), telemetry
 // (stats() and the log), share_handshake (HostShare's resolver), settings_binding and testing_hooks (the
 // `_testing` submodule).
 #include <torch/csrc/Exceptions.h>
@@ -29,7 +29,7 @@
 #include "layerstream/check.h"
 #include "layerstream/log.h"
 #include "layerstream/settings.h"
-#include "ostris_layer.h"
+#include "module_tensors.h"
 #include "packed_weight_glue.h"
 #include "py_torch.h"
 #include "streamed_layer.h"
@@ -55,21 +55,6 @@ py::handle& class_of(Which which) {
   return classes[static_cast<int>(which)];
 }
 
-// OstrisLinear: the quantized buffers and the bias go into one arena block, as stored (moved off the
-// device first).
-void attach_ostris(const py::object& module, LayerManager& core, const std::shared_ptr<DeviceState>& state) {
-  core.path = ForwardPath::kOstris;
-  py::dict buffers = module.attr("_buffers");
-  for (auto item : buffers) {
-    if (item.second.is_none()) continue;
-    buffers[item.first] = py::reinterpret_borrow<py::object>(item.second).attr("to")("cpu");
-  }
-  py::object bias = py::dict(module.attr("_parameters")).attr("get")("bias");
-  if (!bias.is_none()) bias.attr("data") = bias.attr("data").attr("to")("cpu");
-  core.layer = c10::make_intrusive<StreamedLayer>(state, LayerKind::kLinear);
-  ostris_pack(module, core);
-}
-
 void attach(const py::object& module, const py::object& manager, Which which) {
   if (py::hasattr(module, "_layer_memory_manager")) return;  // second attach: a no-op, as upstream
   py::object device = torch_module().attr("device")(manager.attr("process_device"));
@@ -83,7 +68,8 @@ void attach(const py::object& module, const py::object& manager, Which which) {
   manager_obj.attr("_original_forward") = ara.is_none() ? module.attr("forward") : ara.attr("org_forward");
 
   if (which == Which::kOstris) {
-    attach_ostris(module, core, state);
+    // OstrisLinear: the quantized buffers and the bias go into one arena block, as stored.
+    attach_form(module, core, state, false, recognise_ostris_layer(module));
   } else {
     attach_weighted(module, core, state, which == Which::kConv);
   }
@@ -115,8 +101,20 @@ void bind_layer_managers(py::module_& m) {
   py::class_<LayerManager>(m, "BaseLayerMemoryManager", py::dynamic_attr())
       .def(py::init<>())
       .def_property_readonly(
-          "path", [](const LayerManager& lm) { return std::string(path_name(lm.path)); },
+          "path", [](const LayerManager& lm) { return path_name(lm); },
           "How calls run: streamed, cpu, quantized, generic or ostris.")
+      .def_property_readonly(
+          "form",
+          [](const LayerManager& m) -> py::object {
+            if (m.form == nullptr) return py::none();
+            // A plain weight may be kept compressed by LAYERSTREAM_HOST_DTYPE (StreamedLayer::pack decides).
+            if (m.form->parts == ArenaParts::kWeightBias && m.layer && m.layer->quantized()) {
+              const bool lossless = m.layer->stored_as().rfind("lossless", 0) == 0;
+              return py::str(std::string(stored_form(lossless ? "lossless-bf16" : "float8-host").name));
+            }
+            return py::str(std::string(m.form->name));
+          },
+          "The weight's stored form (layerstream/stored_form.h): plain, lossless-bf16, quanto-qbytes, bnb-4bit, ...")
       .def_property_readonly(
           "stored_as", [](const LayerManager& m) -> py::object {
             return m.layer ? py::cast(m.layer->stored_as()) : py::none();

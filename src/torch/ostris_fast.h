@@ -17,7 +17,7 @@
 // dequantization builds from the same staged buffers (for the int8-matmul ones, also a probe's gradient through
 // the backend's own training linear). A layer whose proof fails, or whose backend is not one
 // of these, runs its own forward (INFO once per backend class, with the reason). Every function here needs the
-// GIL and runs with the layer's staged buffers swapped in (ostris_layer.cc).
+// GIL and runs with the layer's staged buffers swapped in (module_tensors.cc).
 #pragma once
 
 #include <torch/csrc/utils/pybind.h>

@@ -81,7 +81,7 @@ def test_lossless_weights_cross_the_bus_packed_and_change_no_bit(engine, device,
     cls = mm.ConvLayerMemoryManager if conv else mm.LinearLayerMemoryManager
     cls.attach(layer, Manager(device))
     lmm = layer._layer_memory_manager
-    assert lmm.stored_as == "lossless BFloat16"
+    assert (lmm.stored_as, lmm.form) == ("lossless BFloat16", "lossless-bf16")
     assert lmm.packed_bytes == _align(expected_bytes) + layer.bias.numel() * 2
     shape = (2, 8, 7, 7) if conv else (6, 96)
     for i in range(2):  # the second call finds the weight in the ring (or resident): same bits

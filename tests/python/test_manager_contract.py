@@ -53,6 +53,7 @@ def test_attach_sets_every_contract_attribute(engine, device):
         torch.cuda.init()
     assert layer.weight.is_pinned() == (engine == "cuda")  # tells the truth
     assert lmm.path == ("cpu" if engine == "cpu" else "streamed")
+    assert lmm.form == "plain"
     assert device in mm._DEVICE_STATE
 
 

@@ -83,7 +83,7 @@ def test_quanto_weights_stream_as_stored_and_compute_bitwise(engine, device, qty
     cls = mm.ConvLayerMemoryManager if conv else mm.LinearLayerMemoryManager
     cls.attach(layer, Manager(device))
     lmm = layer._layer_memory_manager
-    assert lmm.path == "quantized"
+    assert (lmm.path, lmm.form) == ("quantized", "quanto-qbytes")
     assert lmm.stored_as == {"qint8": "Char", "qfloat8": "Float8_e4m3fn", "qfloat8_e5m2": "Float8_e5m2"}[qtype]
     # One block: the codes at their stored size, the scales, the bias; nothing dequantized on the host.
     bias_bytes = layer.bias.numel() * layer.bias.element_size()
