@@ -705,6 +705,7 @@ if want ab && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
       rm -f "$OUT"/ab_"${item}"_*_"$round".{md,json}  # (in runs.tar)
     done
   done
+  grep -hE "\] stress: .*out of memory" "$OUT/all.log" | head -n 12 | sed 's/^/      /' >>"$OUT/summary.txt"
 fi
 
 if want stress; then
