@@ -33,35 +33,60 @@ namespace layerstream::torchglue {
 
 namespace py = pybind11;
 
-struct OstrisFast {
-  enum class Format : std::uint8_t { kNone, kUintx, kCodebook, kNvfp4, kConvrot4, kConvrotInt };
-  Format format = Format::kNone;
-  std::string backend;  // the quantizer's class name, for the log
+// The OstrisLinear layouts layerstream decodes, one entry each in ostris_fast.cc's table (uintx, orbit's and
+// orbit-VQ's codebooks, nvfp4, convrot4, the convrot int8-matmul family): which backends have it, how its
+// slots, shape and hooks are read off the backend, how the staged buffers decode, which dequantization of the
+// backend's own proves the decode, and the layer's call after it. Nothing outside that table asks which
+// layout a layer has.
+struct OstrisLayout;
+
+// Where each of the layout's buffers sits in LayerManager::buffer_names (-1: none).
+struct OstrisSlots {
+  int packed = -1, scale = -1, zero = -1, codebook = -1, perm = -1, signs = -1;
+  int pts = -1, pre_scale = -1;  // nvfp4 and convrot4: the tensor scale; nvfp4's optional AWQ input scale
+  int ratio = -1;                // convrot int: the group ratios (none for 8 bits)
+};
+
+// The layout's numbers, read off the backend and the layer.
+struct OstrisShape {
   int bits = 0;
   std::int64_t vec_dim = 1, group = 0, block = 0;
   std::int64_t entries = 0;  // orbit-VQ: the lattice codebook's rows (orbit's come from its codebook buffer)
   RealType orig = RealType::kBFloat16;  // uintx: the scale's type (the layer's original one)
-  // Positions in LayerManager::buffer_names (-1: none).
-  int packed = -1, scale = -1, zero = -1, codebook = -1, perm = -1, signs = -1;
-  int pts = -1, pre_scale = -1;  // nvfp4 and convrot4: the tensor scale; nvfp4's optional AWQ input scale
-  std::int64_t rot = 0;          // convrot4 and the convrot int backends: the rotation's block
-  int ratio = -1;                // convrot int: the group ratios (none for 8 bits)
+  std::int64_t rot = 0;                 // convrot4 and the convrot int backends: the rotation's block
   IntRowsSpec::Codes codes = IntRowsSpec::Codes::kInt8;  // convrot int: how the codes are stored
-  std::int64_t ratio_group = 0;  // convrot int: columns per ratio (0: none)
-  py::object int8_gemm;          // convrot int: the backend module's _int8_gemm_supported
-  int int8_gemm_device = -2;     // the device index it was last asked for (-2: never), and its answer
-  bool int8_gemm_here = false;
-  // convrot4: the backend module's rotate, quantize_nvfp4, dequantize_nvfp4 and _fp4_gemm_supported.
-  py::object quantize, dequantize, fp4_gemm;
-  py::object rotate;     // codebook formats: the backend module's rpbh_forward(x, perm, signs, block)
-  py::object vq_tables;  // orbit-VQ: the backend module's get_vq_tables(lattice, size, device)
+  std::int64_t ratio_group = 0;                          // convrot int: columns per ratio (0: none)
+};
+
+// The functions of the backend's module that its forward calls, called here as it would call them.
+struct OstrisHooks {
+  py::object int8_gemm;                        // convrot int: _int8_gemm_supported
+  py::object quantize, dequantize, fp4_gemm;   // convrot4: quantize_nvfp4, dequantize_nvfp4, _fp4_gemm_supported
+  py::object rotate;     // codebook layouts: rpbh_forward(x, perm, signs, block); convrot: rotate(x, rot)
+  py::object vq_tables;  // orbit-VQ: get_vq_tables(lattice, size, device)
   py::object lattice;
+};
+
+// What the layer's calls have settled so far.
+struct OstrisProof {
   // nvfp4 and convrot4: whether code 8 decodes as +0 (the backend's Triton kernel) or -0 (its torch path);
   // first guessed from the device, settled by the first proof (ostris_decode.h, Nvfp4Spec).
   std::optional<bool> plus_zero;
   std::vector<c10::ScalarType> proven;  // input types whose decode equals the backend's own, bit for bit
   std::vector<c10::ScalarType> proven_activation;  // convrot4: input types whose activation equals its own
   bool refused = false;                 // a proof failed: this layer runs its own forward from now on
+  int int8_gemm_device = -2;  // convrot int: the device index _int8_gemm_supported was last asked for (-2:
+  bool int8_gemm_here = false;  // never), and its answer
+};
+
+// One OstrisLinear layer's decoder: its layout (none: the layer runs its own forward) and the rest.
+struct OstrisFast {
+  const OstrisLayout* layout = nullptr;
+  std::string backend;  // the quantizer's class name, for the log
+  OstrisSlots slot;
+  OstrisShape shape;
+  OstrisHooks hooks;
+  OstrisProof proof;
 };
 
 // What this layer's backend is, from its class, attributes and buffers (in the packed order `names`).

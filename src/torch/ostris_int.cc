@@ -23,8 +23,8 @@ namespace {
 
 // The convrot int weight of the staged buffers (ostris_decode.h), in `type`, on their device.
 IntRowsSpec int_rows_spec(const OstrisFast& f, std::int64_t rows, std::int64_t cols, RealType out) {
-  return IntRowsSpec{static_cast<std::size_t>(rows), static_cast<std::size_t>(cols), f.codes, f.bits,
-                     static_cast<std::size_t>(f.ratio_group), out};
+  return IntRowsSpec{static_cast<std::size_t>(rows), static_cast<std::size_t>(cols), f.shape.codes, f.shape.bits,
+                     static_cast<std::size_t>(f.shape.ratio_group), out};
 }
 
 // Whether the codes, row scales (float32) and group ratios (float32 per row and group; none where spec.group is
@@ -172,19 +172,19 @@ std::optional<py::object> convrot_int_forward(const py::object& module, OstrisFa
                                               bool on_cuda) {
   if (!xt.requires_grad() || xt.numel() == 0) return std::nullopt;
   // The backend's answer for the layer's device, asked once (it looks at the device's capability).
-  if (fast.int8_gemm_device != xt.device().index()) {
-    fast.int8_gemm_here = fast.int8_gemm(x.attr("device")).cast<bool>();
-    fast.int8_gemm_device = xt.device().index();
+  if (fast.proof.int8_gemm_device != xt.device().index()) {
+    fast.proof.int8_gemm_here = fast.hooks.int8_gemm(x.attr("device")).cast<bool>();
+    fast.proof.int8_gemm_device = xt.device().index();
   }
-  if (!fast.int8_gemm_here) {
+  if (!fast.proof.int8_gemm_here) {
     own_forward(fast.backend, "no int8 matmul on this device: its fake-quantized fallback runs");
     return std::nullopt;
   }
   const c10::ScalarType dtype = xt.scalar_type();
   IntCall call{module.attr("ostris_quantizer").attr("_linear_ste"), module, py::str(dtype_name(dtype)),
-               staged[static_cast<std::size_t>(fast.packed)],
-               fast.ratio >= 0 ? staged[static_cast<std::size_t>(fast.ratio)] : at::Tensor(),
-               staged[static_cast<std::size_t>(fast.scale)], int_rows_spec(fast, rows, cols, *real_type_of(dtype))};
+               staged[static_cast<std::size_t>(fast.slot.packed)],
+               fast.slot.ratio >= 0 ? staged[static_cast<std::size_t>(fast.slot.ratio)] : at::Tensor(),
+               staged[static_cast<std::size_t>(fast.slot.scale)], int_rows_spec(fast, rows, cols, *real_type_of(dtype))};
   // Bytes, contiguous, aligned as the device kernel reads them (undefined: no ratios, which the sizes check).
   auto layout_ok = [&](const at::Tensor& t, std::uintptr_t align) {
     return !t.defined() || (t.is_contiguous() && t.element_size() == 1 &&
@@ -192,10 +192,10 @@ std::optional<py::object> convrot_int_forward(const py::object& module, OstrisFa
   };
   std::string why;
   if (!int_rows_sizes_match(call.spec, call.packed, call.ratio, call.scale) ||
-      !layout_ok(call.packed, fast.codes == IntRowsSpec::Codes::kInt8 ? 8 : 1) || !layout_ok(call.scale, 4) ||
+      !layout_ok(call.packed, fast.shape.codes == IntRowsSpec::Codes::kInt8 ? 8 : 1) || !layout_ok(call.scale, 4) ||
       !layout_ok(call.ratio, 4)) {
     why = "buffers whose sizes are not its format's for this layer";
-  } else if (on_cuda && (cols % 8 != 0 || (fast.ratio_group != 0 && fast.ratio_group % 8 != 0))) {
+  } else if (on_cuda && (cols % 8 != 0 || (fast.shape.ratio_group != 0 && fast.shape.ratio_group % 8 != 0))) {
     why = "rows or groups that are not multiples of 8 values (the device kernel takes eight at a time)";
   }
   try {
@@ -203,16 +203,16 @@ std::optional<py::object> convrot_int_forward(const py::object& module, OstrisFa
   } catch (const std::exception& e) {
     why = e.what();
   }
-  if (why.empty() && std::find(fast.proven.begin(), fast.proven.end(), dtype) == fast.proven.end()) {
+  if (why.empty() && std::find(fast.proof.proven.begin(), fast.proof.proven.end(), dtype) == fast.proof.proven.end()) {
     why = int_rows_differ(module, call, decode_int_rows(call.spec, call.packed, call.ratio, call.scale, dtype));
-    if (why.empty()) fast.proven.push_back(dtype);
+    if (why.empty()) fast.proof.proven.push_back(dtype);
   }
   if (!why.empty()) {
-    fast.refused = true;
+    fast.proof.refused = true;
     own_forward(fast.backend, why);
     return std::nullopt;
   }
-  const at::Tensor x2d = fast.rotate(x, fast.rot).attr("reshape")(-1, cols).cast<at::Tensor>();
+  const at::Tensor x2d = fast.hooks.rotate(x, fast.shape.rot).attr("reshape")(-1, cols).cast<at::Tensor>();
   std::vector<std::int64_t> shape = xt.sizes().vec();
   shape.back() = rows;
   return py::cast(IntSteFn::apply(x2d, call).reshape(shape));

@@ -96,8 +96,8 @@ std::string activation_differs(const OstrisFast& f, const at::Tensor& x, const A
     for (int i = 0; i < 3; ++i) {
       const at::Tensor input = i == 0 ? x : activation_probe(x.options(), i == 1 ? 2688.0f : 937.0f);
       const Activation mine = i == 0 ? got : fake_quantize(input, saturates, on_cuda);
-      const py::tuple q = f.quantize(input);
-      const at::Tensor x_dq = f.dequantize(q[0], q[1], q[2], input.size(0), input.size(1), dtype).cast<at::Tensor>();
+      const py::tuple q = f.hooks.quantize(input);
+      const at::Tensor x_dq = f.hooks.dequantize(q[0], q[1], q[2], input.size(0), input.size(1), dtype).cast<at::Tensor>();
       if (!same_bits(mine.pts, q[2].cast<at::Tensor>().reshape({})) || !same_bits(mine.delta, at::sub(x_dq, input))) {
         return "its activation quantized by layerstream differed from its own quantize_nvfp4";
       }
@@ -116,12 +116,12 @@ std::string activation_differs(const OstrisFast& f, const at::Tensor& x, const A
 std::optional<py::object> convrot4_forward(OstrisFast& fast, const py::object& x, const at::Tensor& xt,
                                            const at::Tensor& w, const at::Tensor& b, std::int64_t rows,
                                            std::int64_t cols, bool on_cuda) {
-  const at::Tensor x2d = fast.rotate(x, fast.rot).attr("reshape")(-1, cols).cast<at::Tensor>();
+  const at::Tensor x2d = fast.hooks.rotate(x, fast.shape.rot).attr("reshape")(-1, cols).cast<at::Tensor>();
   at::Tensor input = x2d;
   if (xt.requires_grad()) {
     const std::optional<bool> saturates = e4m3_saturates(xt.device());
     if (!saturates) {
-      fast.refused = true;
+      fast.proof.refused = true;
       own_forward(fast.backend, "torch's float8_e4m3fn conversion is not one layerstream knows");
       return std::nullopt;
     }
@@ -129,14 +129,14 @@ std::optional<py::object> convrot4_forward(OstrisFast& fast, const py::object& x
     if (!xd.is_contiguous() || reinterpret_cast<std::uintptr_t>(xd.data_ptr()) % 16 != 0) xd = xd.clone();
     const Activation a = fake_quantize(xd, *saturates, on_cuda);
     const c10::ScalarType dtype = xt.scalar_type();
-    if (std::find(fast.proven_activation.begin(), fast.proven_activation.end(), dtype) == fast.proven_activation.end()) {
+    if (std::find(fast.proof.proven_activation.begin(), fast.proof.proven_activation.end(), dtype) == fast.proof.proven_activation.end()) {
       const std::string why = activation_differs(fast, xd, a, *saturates, on_cuda);
       if (!why.empty()) {
-        fast.refused = true;
+        fast.proof.refused = true;
         own_forward(fast.backend, why);
         return std::nullopt;
       }
-      fast.proven_activation.push_back(dtype);
+      fast.proof.proven_activation.push_back(dtype);
     }
     input = at::add(x2d, a.delta);
   }
