@@ -311,8 +311,12 @@ if want wheel; then
   TRITONCC=(env -i HOME=/tmp PATH=/tmp/wheel-site/bin:/tmp/nocc:/tmp/tritoncc
             PYTHONPATH=/tmp/wheel-site${PYTHONPATH:+:$PYTHONPATH} ${AI_TOOLKIT_DIR:+AI_TOOLKIT_DIR=$AI_TOOLKIT_DIR})
   if [[ -n ${LAYERSTREAM_WHEEL_FILES:-} ]]; then
-    run wheel_pytest "${NOCC[@]}" bash -c "$WPYTEST $LAYERSTREAM_WHEEL_FILES"
-    grep -E "[0-9]+ passed" "$OUT/all.log" | tail -n 1 | sed 's/^/      /' >>"$OUT/summary.txt"
+    # (Paths as given, or names of files in tests/python.)
+    WFILES=""; for f in $LAYERSTREAM_WHEEL_FILES; do [[ $f == /* ]] && WFILES+=" $f" || WFILES+=" $T/$f"; done
+    run wheel_pytest "${NOCC[@]}" bash -c "$WPYTEST $WFILES"
+    # The same files' Triton cases with gcc on PATH, where they compare against AI-Toolkit's Triton kernels.
+    [[ $WFILES == *test_ostris_backends.py* ]] && run wheel_pytest_triton "${TRITONCC[@]}" bash -c "$WPYTEST $T/test_ostris_backends.py"
+    grep -E "^=+ .*[0-9]+ (passed|failed)" "$OUT/all.log" | tail -n 2 | sed 's/^/      /' >>"$OUT/summary.txt"
   else
     # The whole suite in two shards side by side (as `pycuda`), then the Triton shard after the smaller one.
     ( run wheel_pytest_a "${NOCC[@]}" bash -c "$WPYTEST $T/test_reliability.py $T/test_install_cli.py $T/test_aitk_real.py"

@@ -69,29 +69,33 @@ enum class VramPeak { kWindow, kCycles };  // LAYERSTREAM_VRAM_PEAK: how the bud
 // LAYERSTREAM_VRAM_GAP: where a gap's quarter is, or (kLend) whether the plan lends it to resident layers
 enum class VramGap { kQuarterAtPeak, kQuarterAboveStart, kLend };
 
+// Each member holds one setting of the table in settings.cc, which declares it once: its name, type, default,
+// what it accepts and its doc, its parser and how its value reads back as text. parse() starts every member
+// from its declared default (a default that is a description, such as "no cap", leaves it unset), so no
+// default is written here; `layerstream status`, settings() and the docs' tables are derived from the table.
 struct Settings {
-  CpuBackend backend = CpuBackend::kCpu;           // LAYERSTREAM_BACKEND
-  std::optional<std::size_t> ring_bytes;           // LAYERSTREAM_RING_MB (unset: sized from the layers)
-  bool prefetch = true;                            // LAYERSTREAM_PREFETCH
-  RingPolicy ring_policy = RingPolicy::kFifo;      // LAYERSTREAM_RING_POLICY
-  std::size_t prefetch_layers = 8;                 // LAYERSTREAM_PREFETCH_LAYERS
-  std::size_t resident_bytes = 0;                  // LAYERSTREAM_RESIDENT_MB
-  VramBudget vram_budget;                          // LAYERSTREAM_VRAM_BUDGET
-  VramPeak vram_peak = VramPeak::kCycles;          // LAYERSTREAM_VRAM_PEAK
-  VramGap vram_gap = VramGap::kQuarterAtPeak;      // LAYERSTREAM_VRAM_GAP
-  HostDtype host_dtype = HostDtype::kAuto;         // LAYERSTREAM_HOST_DTYPE
-  bool ostris_decode = true;                       // LAYERSTREAM_OSTRIS_DECODE
-  ShareHost share_host = ShareHost::kAuto;         // LAYERSTREAM_SHARE_HOST
-  double share_timeout_s = 600;                    // LAYERSTREAM_SHARE_TIMEOUT_S
-  std::optional<std::string> share_token;          // LAYERSTREAM_SHARE_TOKEN
-  std::size_t chunk_bytes = std::size_t{256} << 20;  // LAYERSTREAM_CHUNK_MB
-  std::optional<std::size_t> pinned_cap_bytes;     // LAYERSTREAM_PINNED_CAP_MB (unset: no cap)
-  bool time_waits = false;                         // LAYERSTREAM_TIME_WAITS
-  std::uint64_t log_every = 100;                   // LAYERSTREAM_LOG_EVERY (0: never)
-  unsigned decode_blocks = 0;                      // LAYERSTREAM_DECODE_BLOCKS (0: no limit)
-  std::optional<std::uint64_t> sim_faults;         // LAYERSTREAM_SIM_FAULTS (the injector's seed)
-  std::optional<std::size_t> sim_device_bytes;     // LAYERSTREAM_SIM_DEVICE_MB
-  std::optional<std::size_t> sim_pinnable_bytes;   // LAYERSTREAM_SIM_PINNABLE_MB
+  CpuBackend backend{};                       // LAYERSTREAM_BACKEND
+  std::optional<std::size_t> ring_bytes;      // LAYERSTREAM_RING_MB (unset: sized from the layers)
+  bool prefetch{};                            // LAYERSTREAM_PREFETCH
+  RingPolicy ring_policy{};                   // LAYERSTREAM_RING_POLICY
+  std::size_t prefetch_layers{};              // LAYERSTREAM_PREFETCH_LAYERS
+  std::size_t resident_bytes{};               // LAYERSTREAM_RESIDENT_MB
+  VramBudget vram_budget;                     // LAYERSTREAM_VRAM_BUDGET
+  VramPeak vram_peak{};                       // LAYERSTREAM_VRAM_PEAK
+  VramGap vram_gap{};                         // LAYERSTREAM_VRAM_GAP
+  HostDtype host_dtype{};                     // LAYERSTREAM_HOST_DTYPE
+  bool ostris_decode{};                       // LAYERSTREAM_OSTRIS_DECODE
+  ShareHost share_host{};                     // LAYERSTREAM_SHARE_HOST
+  double share_timeout_s{};                   // LAYERSTREAM_SHARE_TIMEOUT_S
+  std::optional<std::string> share_token;     // LAYERSTREAM_SHARE_TOKEN
+  std::size_t chunk_bytes{};                  // LAYERSTREAM_CHUNK_MB
+  std::optional<std::size_t> pinned_cap_bytes;  // LAYERSTREAM_PINNED_CAP_MB (unset: no cap)
+  bool time_waits{};                          // LAYERSTREAM_TIME_WAITS
+  std::uint64_t log_every{};                  // LAYERSTREAM_LOG_EVERY (0: never)
+  unsigned decode_blocks{};                   // LAYERSTREAM_DECODE_BLOCKS (0: no limit)
+  std::optional<std::uint64_t> sim_faults;    // LAYERSTREAM_SIM_FAULTS (the injector's seed)
+  std::size_t sim_device_bytes{};             // LAYERSTREAM_SIM_DEVICE_MB
+  std::optional<std::size_t> sim_pinnable_bytes;  // LAYERSTREAM_SIM_PINNABLE_MB
 
   // The launcher's variables (torchrun, accelerate), as they are: host_share's resolver interprets them.
   std::optional<std::string> local_rank, local_world_size, torchelastic_run_id, master_port;
@@ -112,6 +116,9 @@ struct Settings {
 
   // Every setting, in the docs' order.
   static const std::vector<SettingSpec>& table();
+  // The value `s` holds for the setting `name`, as the text its parser takes back ("" when unset, and for the
+  // settings Settings does not hold: table().native false); throws InvalidArgument for an unknown name.
+  static std::string text_of(const Settings& s, const std::string& name);
   // The one line refusing `text` for `name` ("NAME=text (origin) is not accepted; it takes ..., e.g. ..."),
   // or nullopt when the setting accepts it; an unknown name is refused too (not the LAYERSTREAM_* names
   // layerstream's build, tests and scripts read). `origin` ("" for none) says

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <iterator>
 #include <limits>
@@ -72,11 +73,25 @@ std::optional<bool> switch_of(const std::string& text) {
 
 // A parser stores an accepted value and returns true, or returns false and changes nothing.
 using Parser = bool (*)(Settings&, const std::string& text);
+// A shower gives the value back as text the parser takes ("" when unset).
+using Shower = std::string (*)(const Settings&);
 
+// One setting, declared once: its spec (name, type, default, what it accepts, doc), its parser and its shower
+// (null for the settings Settings does not hold).
 struct Entry {
   SettingSpec spec;
   Parser parse;
+  Shower show;
 };
+
+std::string on_off(bool on) { return on ? "1" : "0"; }
+std::string mib_text(std::size_t bytes) { return std::to_string(bytes / kMiB); }
+std::string mib_text(const std::optional<std::size_t>& bytes) { return bytes ? mib_text(*bytes) : std::string(); }
+std::string seconds_text(double s) {
+  char out[32];
+  std::snprintf(out, sizeof out, "%.17g", s);
+  return out;
+}
 
 template <typename T>
 bool store(T& field, const std::optional<T>& value) {
@@ -96,18 +111,33 @@ constexpr auto kUser = SettingAudience::kUser;
 constexpr auto kTuning = SettingAudience::kTuning;
 constexpr auto kTests = SettingAudience::kTests;
 
+std::string host_dtype_text(const Settings& s) {
+  switch (s.host_dtype) {
+    case HostDtype::kSame: return "same";
+    case HostDtype::kLossless: return "lossless";
+    case HostDtype::kFloat8E4M3: return "float8_e4m3fn";
+    case HostDtype::kFloat8E5M2: return "float8_e5m2";
+    case HostDtype::kAuto: break;
+  }
+  return "auto";
+}
+
 // Every setting, in the order of the docs' tables (docs/ai-toolkit.md, "Modes and settings").
 const Entry kEntries[] = {
   {{"LAYERSTREAM", "switch", kUser, false, "1",
     "1, on, true or yes (layerstream), or 0, off, false or no (AI-Toolkit's stock manager_modules.py)", "0",
     "patch mode's hook: 0 runs AI-Toolkit's own code in the same checkout, for a comparison"},
-   [](Settings&, const std::string& t) { return switch_of(t).has_value(); }},
+   [](Settings&, const std::string& t) { return switch_of(t).has_value(); },
+   nullptr},
   {{"LAYERSTREAM_VRAM_BUDGET", "size", kUser, true, "min",
     "min (no layer kept: the least device memory), auto (what the device has free, given back when the "
     "process needs it) or a size from 1 MiB to 1 PiB such as 24G, 24GB, 24GiB or '24 GiB' (case-insensitive, "
     "binary: 24GB is 24x2^30 bytes) or a number of bytes",
     "auto", "device memory that layers may stay in after the first training step; the rest stream"},
-   [](Settings& s, const std::string& t) { return store(s.vram_budget, VramBudget::parse(t)); }},
+   [](Settings& s, const std::string& t) { return store(s.vram_budget, VramBudget::parse(t)); },
+   [](const Settings& s) {
+     return !s.vram_budget.enabled ? std::string("min") : s.vram_budget.automatic ? std::string("auto") : std::to_string(s.vram_budget.bytes);
+   }},
   {{"LAYERSTREAM_HOST_DTYPE", "choice", kUser, true, "auto",
     "auto (lossless for frozen bfloat16 weights of 1 MiB or more where this device and host can decode and "
     "pack them, the rest as they are; an INFO line says which), "
@@ -123,27 +153,32 @@ const Entry kEntries[] = {
                                                      {"float8_e5m2", HostDtype::kFloat8E5M2}};
      const auto it = forms.find(t);
      return it != forms.end() && store(s.host_dtype, std::optional<HostDtype>(it->second));
-   }},
+   },
+   host_dtype_text},
   {{"LAYERSTREAM_LOG", "choice", kUser, false, "info", "info, warning, debug or off", "warning",
     "which of layerstream's log lines are printed (info: the active line, the VRAM plan, the periodic summary)"},
    [](Settings&, const std::string& t) {
      const std::string v = lower(t);
      return v == "info" || v == "warning" || v == "debug" || v == "off";
-   }},
+   },
+   nullptr},
   {{"LAYERSTREAM_RING_MB", "MiB", kTuning, true,
     "on a GPU four of the largest layer, never more than the layers take (the CPU modes: 3x); with a VRAM "
     "budget its plan's",
     kMiBRange, "3072", "the device ring's size, fixed"},
-   [](Settings& s, const std::string& t) { return store(s.ring_bytes, mib(t, 1)); }},
+   [](Settings& s, const std::string& t) { return store(s.ring_bytes, mib(t, 1)); },
+   [](const Settings& s) { return mib_text(s.ring_bytes); }},
   {{"LAYERSTREAM_PREFETCH", "switch", kTuning, true, "1", kSwitch, "0",
     "copies of the layers predicted next, ahead of need (see \"Prefetch\")"},
-   [](Settings& s, const std::string& t) { return store(s.prefetch, switch_of(t)); }},
+   [](Settings& s, const std::string& t) { return store(s.prefetch, switch_of(t)); },
+   [](const Settings& s) { return on_off(s.prefetch); }},
   {{"LAYERSTREAM_PREFETCH_LAYERS", "count", kTuning, true, "8", "a positive whole number of layers", "16",
     "how many predicted layers a layer call may copy ahead, within a third of the ring's bytes"},
    [](Settings& s, const std::string& t) {
      const auto n = whole(t, 1, std::numeric_limits<std::size_t>::max());
      return store(s.prefetch_layers, n ? std::optional<std::size_t>(static_cast<std::size_t>(*n)) : std::nullopt);
-   }},
+   },
+   [](const Settings& s) { return std::to_string(s.prefetch_layers); }},
   {{"LAYERSTREAM_RING_POLICY", "choice", kTuning, true, "fifo",
     "fifo (a copy goes at the ring's head) or lru (over the memory used longest ago; experimental)", "lru",
     "where the ring places a copy (the VRAM budget's plan models fifo)"},
@@ -151,10 +186,12 @@ const Entry kEntries[] = {
      if (t != "fifo" && t != "lru") return false;
      s.ring_policy = t == "lru" ? RingPolicy::kLeastRecentlyUsed : RingPolicy::kFifo;
      return true;
-   }},
+   },
+   [](const Settings& s) { return std::string(s.ring_policy == RingPolicy::kLeastRecentlyUsed ? "lru" : "fifo"); }},
   {{"LAYERSTREAM_RESIDENT_MB", "MiB", kTuning, true, "0", kMiBRangeOrZero, "4096",
     "MiB of layers kept on the device for good (first used, first kept)"},
-   [](Settings& s, const std::string& t) { return store(s.resident_bytes, mib(t, 0)); }},
+   [](Settings& s, const std::string& t) { return store(s.resident_bytes, mib(t, 0)); },
+   [](const Settings& s) { return mib_text(s.resident_bytes); }},
   {{"LAYERSTREAM_VRAM_PEAK", "choice", kTuning, true, "cycles",
     "cycles (each training cycle's step and gap measured apart) or window (the first steps' window)", "window",
     "how the VRAM budget measures a training step's peak (see \"VRAM budget\")"},
@@ -162,7 +199,8 @@ const Entry kEntries[] = {
      if (t != "cycles" && t != "window") return false;
      s.vram_peak = t == "cycles" ? VramPeak::kCycles : VramPeak::kWindow;
      return true;
-   }},
+   },
+   [](const Settings& s) { return std::string(s.vram_peak == VramPeak::kCycles ? "cycles" : "window"); }},
   {{"LAYERSTREAM_VRAM_GAP", "choice", kTuning, true, "peak",
     "peak (a quarter of the device left free on top of the peak between steps), start (a quarter above the "
     "training cycle's start; experimental) or lend (the quarter lent to resident layers that go back first; "
@@ -172,11 +210,15 @@ const Entry kEntries[] = {
      if (t != "peak" && t != "start" && t != "lend") return false;
      s.vram_gap = t == "start" ? VramGap::kQuarterAboveStart : t == "lend" ? VramGap::kLend : VramGap::kQuarterAtPeak;
      return true;
+   },
+   [](const Settings& s) {
+     return std::string(s.vram_gap == VramGap::kQuarterAboveStart ? "start" : s.vram_gap == VramGap::kLend ? "lend" : "peak");
    }},
   {{"LAYERSTREAM_OSTRIS_DECODE", "switch", kTuning, true, "1", kSwitch, "0",
     "layerstream decodes AI-Toolkit's OstrisLinear weights itself, each proven bitwise on its first call "
     "(0: every backend runs its own forward)"},
-   [](Settings& s, const std::string& t) { return store(s.ostris_decode, switch_of(t)); }},
+   [](Settings& s, const std::string& t) { return store(s.ostris_decode, switch_of(t)); },
+   [](const Settings& s) { return on_off(s.ostris_decode); }},
   {{"LAYERSTREAM_SHARE_HOST", "choice", kTuning, true, "auto", "auto, 1 or on, or 0 or off", "0",
     "under torchrun or accelerate, the ranks of a host share one host copy of the frozen weights"},
    [](Settings& s, const std::string& t) {
@@ -185,6 +227,9 @@ const Entry kEntries[] = {
      else if (t == "0" || t == "off") s.share_host = ShareHost::kOff;
      else return false;
      return true;
+   },
+   [](const Settings& s) {
+     return std::string(s.share_host == ShareHost::kAuto ? "auto" : s.share_host == ShareHost::kOn ? "on" : "off");
    }},
   {{"LAYERSTREAM_SHARE_TIMEOUT_S", "seconds", kTuning, true, "600",
     "a positive number of seconds up to 31536000 (a year)", "600",
@@ -195,7 +240,8 @@ const Entry kEntries[] = {
      if (!v || !rest.empty() || !(*v > 0) || *v > kMostTimeoutS) return false;
      s.share_timeout_s = *v;
      return true;
-   }},
+   },
+   [](const Settings& s) { return seconds_text(s.share_timeout_s); }},
   {{"LAYERSTREAM_SHARE_TOKEN", "token", kTuning, true, "torchrun's job id", "letters, digits and underscores",
     "job_42", "names the shared segments (the same in every rank of the job) where torchrun's environment does not"},
    [](Settings& s, const std::string& t) {
@@ -204,41 +250,51 @@ const Entry kEntries[] = {
      }
      s.share_token = t;
      return true;
-   }},
+   },
+   [](const Settings& s) { return s.share_token.value_or(""); }},
   {{"LAYERSTREAM_CHUNK_MB", "MiB", kTuning, true, "256", kMiBRange, "256", "the largest pinned chunk"},
-   [](Settings& s, const std::string& t) { return store(s.chunk_bytes, mib(t, 1)); }},
+   [](Settings& s, const std::string& t) { return store(s.chunk_bytes, mib(t, 1)); },
+   [](const Settings& s) { return mib_text(s.chunk_bytes); }},
   {{"LAYERSTREAM_PINNED_CAP_MB", "MiB", kTuning, true, "no cap", kMiBRange, "65536",
     "pin at most this much host memory; the rest is pageable and staged through bounce buffers"},
-   [](Settings& s, const std::string& t) { return store(s.pinned_cap_bytes, mib(t, 1)); }},
+   [](Settings& s, const std::string& t) { return store(s.pinned_cap_bytes, mib(t, 1)); },
+   [](const Settings& s) { return mib_text(s.pinned_cap_bytes); }},
   {{"LAYERSTREAM_TIME_WAITS", "switch", kTuning, true, "0", kSwitch, "1",
     "time how long compute waits for copies (a few microseconds a layer call; `layerstream bench` turns it on)"},
-   [](Settings& s, const std::string& t) { return store(s.time_waits, switch_of(t)); }},
+   [](Settings& s, const std::string& t) { return store(s.time_waits, switch_of(t)); },
+   [](const Settings& s) { return on_off(s.time_waits); }},
   {{"LAYERSTREAM_LOG_EVERY", "count", kTuning, true, "100", "a whole number of optimizer steps (0: never)", "100",
     "every N optimizer steps, an INFO line with what a step moved"},
-   [](Settings& s, const std::string& t) { return store(s.log_every, whole(t, 0, kMostCount)); }},
+   [](Settings& s, const std::string& t) { return store(s.log_every, whole(t, 0, kMostCount)); },
+   [](const Settings& s) { return std::to_string(s.log_every); }},
   {{"LAYERSTREAM_DECODE_BLOCKS", "count", kTuning, true, "0",
     "a whole number of thread blocks from 0 (no limit) to 65536", "64",
     "lossless only: the most thread blocks of 256 a decode may use"},
    [](Settings& s, const std::string& t) {
      const auto n = whole(t, 0, kMostDecodeBlocks);
      return store(s.decode_blocks, n ? std::optional<unsigned>(static_cast<unsigned>(*n)) : std::nullopt);
-   }},
+   },
+   [](const Settings& s) { return std::to_string(s.decode_blocks); }},
   {{"LAYERSTREAM_BACKEND", "choice", kTests, true, "cpu", "cpu or sim", "sim",
     "how a CPU process device runs: computed on the CPU as upstream, or through the engine on the simulator"},
    [](Settings& s, const std::string& t) {
      if (t != "sim" && t != "cpu") return false;
      s.backend = t == "sim" ? CpuBackend::kSim : CpuBackend::kCpu;
      return true;
-   }},
+   },
+   [](const Settings& s) { return std::string(s.backend == CpuBackend::kSim ? "sim" : "cpu"); }},
   {{"LAYERSTREAM_SIM_FAULTS", "count", kTests, true, "no faults",
     "a whole number (the seed of the simulator's fault injector)", "1234",
     "fault injection (delays, scrambled copies) on the simulator"},
-   [](Settings& s, const std::string& t) { return store(s.sim_faults, whole(t, 0, kMostCount)); }},
+   [](Settings& s, const std::string& t) { return store(s.sim_faults, whole(t, 0, kMostCount)); },
+   [](const Settings& s) { return s.sim_faults ? std::to_string(*s.sim_faults) : std::string(); }},
   {{"LAYERSTREAM_SIM_DEVICE_MB", "MiB", kTests, true, "65536", kMiBRange, "2048", "the simulated device's memory"},
-   [](Settings& s, const std::string& t) { return store(s.sim_device_bytes, mib(t, 1)); }},
+   [](Settings& s, const std::string& t) { return store(s.sim_device_bytes, mib(t, 1)); },
+   [](const Settings& s) { return mib_text(s.sim_device_bytes); }},
   {{"LAYERSTREAM_SIM_PINNABLE_MB", "MiB", kTests, true, "no limit", kMiBRangeOrZero, "1",
     "the most host memory the simulator lets the process pin (a small `ulimit -l`; 0: none)"},
-   [](Settings& s, const std::string& t) { return store(s.sim_pinnable_bytes, mib(t, 0)); }},
+   [](Settings& s, const std::string& t) { return store(s.sim_pinnable_bytes, mib(t, 0)); },
+   [](const Settings& s) { return mib_text(s.sim_pinnable_bytes); }},
 };
 
 const std::vector<Entry>& entries() {
@@ -408,6 +464,8 @@ std::optional<std::string> Settings::refusal(const std::string& name, const std:
 Settings Settings::parse(const Text& text, const Text& origins) {
   Settings s;
   for (const Entry& e : entries()) {
+    // The declared default, where it is a value (a description such as "no cap" is not: the member stays unset).
+    e.parse(s, e.spec.default_value);
     auto it = text.find(e.spec.name);
     if (it == text.end() || it->second.empty() || e.parse(s, it->second)) continue;
     auto origin = origins.find(e.spec.name);
@@ -439,6 +497,12 @@ void Settings::configure(const std::map<std::string, std::optional<std::string>>
   }
   snapshot() = read_locked(over);  // throws before anything changed
   overrides() = std::move(over);
+}
+
+std::string Settings::text_of(const Settings& s, const std::string& name) {
+  const Entry* e = entry_of(name);
+  LS_CHECK_ARG(e != nullptr, name, " is not a layerstream setting");
+  return e->show == nullptr ? std::string() : e->show(s);
 }
 
 const std::vector<SettingSpec>& Settings::table() {

@@ -124,9 +124,9 @@ DeviceState::DeviceState(const c10::Device& device, Mode mode)
     case Mode::kSim: {
       SimOptions o;
       o.device = device.has_index() ? device.index() : 0;  // cpu:N: a second simulated device
-      o.device_capacity_bytes = std::size_t{64} << 30;  // the host's memory stands in for the device's
-      // Tests: a small simulated card, and a platform that pins only so much (a tiny `ulimit -l`).
-      o.device_capacity_bytes = settings->sim_device_bytes.value_or(o.device_capacity_bytes);
+      // The host's memory stands in for the device's (LAYERSTREAM_SIM_DEVICE_MB; tests: a small simulated card),
+      // and a platform that pins only so much (a tiny `ulimit -l`).
+      o.device_capacity_bytes = settings->sim_device_bytes;
       if (settings->sim_pinnable_bytes) o.pinned_capacity_bytes = *settings->sim_pinnable_bytes;
       if (settings->sim_faults) {
         // Tests: delay operations and scramble copies (the value seeds the injector).

@@ -17,62 +17,30 @@ namespace layerstream::torchglue {
 
 namespace {
 
-constexpr std::size_t kMiB = std::size_t{1} << 20;
-
 std::string key_of(const std::string& name) {
   std::string key = name.substr(std::string("LAYERSTREAM_").size());
   std::transform(key.begin(), key.end(), key.begin(), [](unsigned char c) { return std::tolower(c); });
   return key;
 }
 
-template <typename T>
-py::object or_none(const std::optional<T>& v) {
-  return v ? py::cast(*v) : py::none();
-}
-py::object mib_or_none(const std::optional<std::size_t>& bytes) {
-  return bytes ? py::cast(*bytes / kMiB) : py::none();
-}
-
-const char* host_dtype_name(HostDtype d) {
-  switch (d) {
-    case HostDtype::kLossless: return "lossless";
-    case HostDtype::kFloat8E4M3: return "float8_e4m3fn";
-    case HostDtype::kFloat8E5M2: return "float8_e5m2";
-    case HostDtype::kSame: return "same";
-    case HostDtype::kAuto: break;
-  }
-  return "auto";
-}
-
+// settings(): every setting Settings holds, as its declaration's type reads in Python (None: unset).
 py::dict settings_dict() {
   const std::shared_ptr<const Settings> s = Settings::current();
   py::dict d;
-  d["backend"] = s->backend == CpuBackend::kSim ? "sim" : "cpu";
-  d["ring_mb"] = mib_or_none(s->ring_bytes);
-  d["prefetch"] = s->prefetch;
-  d["ring_policy"] = s->ring_policy == RingPolicy::kLeastRecentlyUsed ? "lru" : "fifo";
-  d["prefetch_layers"] = s->prefetch_layers;
-  d["resident_mb"] = s->resident_bytes / kMiB;
-  d["vram_budget"] = !s->vram_budget.enabled ? py::none()
-                     : s->vram_budget.automatic ? py::cast("auto")
-                                                : py::cast(s->vram_budget.bytes);
-  d["vram_peak"] = s->vram_peak == VramPeak::kCycles ? "cycles" : "window";
-  d["vram_gap"] = s->vram_gap == VramGap::kQuarterAboveStart ? "start"
-                 : s->vram_gap == VramGap::kLend               ? "lend"
-                                                               : "peak";
-  d["host_dtype"] = host_dtype_name(s->host_dtype);
-  d["ostris_decode"] = s->ostris_decode;
-  d["share_host"] = s->share_host == ShareHost::kAuto ? "auto" : s->share_host == ShareHost::kOn ? "on" : "off";
-  d["share_timeout_s"] = s->share_timeout_s;
-  d["share_token"] = or_none(s->share_token);
-  d["chunk_mb"] = s->chunk_bytes / kMiB;
-  d["pinned_cap_mb"] = mib_or_none(s->pinned_cap_bytes);
-  d["time_waits"] = s->time_waits;
-  d["log_every"] = s->log_every;
-  d["decode_blocks"] = s->decode_blocks;
-  d["sim_faults"] = or_none(s->sim_faults);
-  d["sim_device_mb"] = mib_or_none(s->sim_device_bytes);
-  d["sim_pinnable_mb"] = mib_or_none(s->sim_pinnable_bytes);
+  for (const SettingSpec& spec : Settings::table()) {
+    if (!spec.native) continue;
+    const std::string text = Settings::text_of(*s, spec.name);
+    const std::string type = spec.type;
+    py::object value;
+    if (text.empty()) value = py::none();
+    else if (type == "switch") value = py::bool_(text == "1");
+    else if (type == "MiB" || type == "count") value = py::int_(py::str(text));
+    else if (type == "seconds") value = py::float_(std::stod(text));
+    else if (type == "size" && std::all_of(text.begin(), text.end(), [](unsigned char c) { return std::isdigit(c); })) {
+      value = py::int_(py::str(text));  // bytes; otherwise a mode (min, auto)
+    } else value = py::str(text);
+    d[py::str(key_of(spec.name))] = value;
+  }
   return d;
 }
 

@@ -286,3 +286,23 @@ def test_configure_takes_precedence_until_given_back(fresh, monkeypatch):
         mm.configure(ring_mbb=4)
     with pytest.raises(ValueError, match=r"configure\(ring_mb=\[4\]\): ring_mb takes an int or str \(a positive"):
         mm.configure(ring_mb=[4])
+
+
+def test_settings_lists_every_native_setting_at_its_declared_default(fresh):
+    """settings() is derived from the declaration: one key per native setting, in the table's order, each at the
+    declared default (a default that describes the unset setting, such as "no cap", reads None)."""
+    shown = mm.settings()
+    natives = [spec for spec in TABLE if spec.native]
+    assert list(shown) == [spec.name[len("LAYERSTREAM_"):].lower() for spec in natives]
+    as_text = {True: "1", False: "0", None: None}
+    for spec in natives:
+        value = shown[spec.name[len("LAYERSTREAM_"):].lower()]
+        if " " in spec.default or spec.name == "LAYERSTREAM_RING_MB":
+            assert value is None, spec.name
+        elif isinstance(value, bool):
+            assert as_text[value] == spec.default, spec.name
+        elif isinstance(value, float):
+            assert value == float(spec.default), spec.name
+        else:
+            assert str(value) == spec.default, spec.name
+    assert (shown["sim_device_mb"], shown["pinned_cap_mb"], shown["prefetch"]) == (65536, None, True)
