@@ -89,7 +89,7 @@ using namespace setting_text;
 std::optional<VramBudget> VramBudget::parse(const std::string& text) {
   VramBudget b;
   const std::string v = lower(text);
-  if (v.empty() || v == "min") return b;  // the default, said explicitly
+  if (v.empty() || v == "min") return b;  // the memory-first mode
   b.enabled = true;
   if (v == "auto") {
     b.automatic = true;

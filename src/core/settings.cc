@@ -74,11 +74,11 @@ const Entry kEntries[] = {
     "patch mode's hook: 0 runs AI-Toolkit's own code in the same checkout, for a comparison"},
    [](Settings&, const std::string& t) { return switch_of(t).has_value(); },
    nullptr},
-  {{"LAYERSTREAM_VRAM_BUDGET", "size", kUser, true, "min",
-    "min (no layer kept: the least device memory), auto (what the device has free, given back when the "
-    "process needs it) or a size from 1 MiB to 1 PiB such as 24G, 24GB, 24GiB or '24 GiB' (case-insensitive, "
-    "binary: 24GB is 24x2^30 bytes) or a number of bytes",
-    "auto", "device memory that layers may stay in after the first training step; the rest stream"},
+  {{"LAYERSTREAM_VRAM_BUDGET", "size", kUser, true, "auto",
+    "auto (what the device has free, given back when the process needs it), min (no layer kept: the least "
+    "device memory, the memory-first mode) or a size from 1 MiB to 1 PiB such as 24G, 24GB, 24GiB or '24 GiB' "
+    "(case-insensitive, binary: 24GB is 24x2^30 bytes) or a number of bytes",
+    "min", "device memory that layers may stay in after the first training step; the rest stream"},
    [](Settings& s, const std::string& t) { return store(s.vram_budget, VramBudget::parse(t)); },
    [](const Settings& s) {
      return !s.vram_budget.enabled ? std::string("min") : s.vram_budget.automatic ? std::string("auto") : std::to_string(s.vram_budget.bytes);
