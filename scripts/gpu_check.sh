@@ -28,9 +28,9 @@
 #          plus the two-process pytest of the shared copy on NCCL
 #   perf   FLUX.1-shaped: resident vs streamed bf16, streamed with float8 host storage, and stock vs
 #          layerstream under a 24 GiB cap with that cap as layerstream's VRAM budget
-#   defaults  issue 45: layerstream's default (LAYERSTREAM_HOST_DTYPE=auto) against the previous one (same) and
-#          stock on one machine, with the floor breakdown (LAYERSTREAM_DEFAULTS_RUNS: flux1, flux1det, flux1cap,
-#          flux2cap)
+#   defaults  issue 45: layerstream at default settings (host dtype auto, VRAM budget auto) against the previous
+#          defaults (same, min) and stock on one machine, with the floor breakdown (LAYERSTREAM_DEFAULTS_RUNS:
+#          flux1, flux1det, flux1cap, flux2cap); LAYERSTREAM_PREBUILT: a carried wheel instead of a build
 #   lossless  LAYERSTREAM_HOST_DTYPE=lossless: the decoder's bandwidth, FLUX.1 100% streamed and FLUX.2
 #          under a 24 GiB cap, layerstream alone (LAYERSTREAM_LOSSLESS_RUNS picks; about 5 minutes; flux1flow:
 #          FLUX.1 placed as AI-Toolkit places it, for the host RAM from the attach on)
@@ -58,7 +58,7 @@
 #          run the default measure: cycles since 40c26cb, window before; flow2start/flowstart/pressurestart: flow2,
 #          flow and pressure with LAYERSTREAM_VRAM_GAP=start; flow2lend/flowlend/pressurelend: with =lend)
 #   stress AI-Toolkit's flow under a 24 GiB cap with the user's 2, 4 and 8 GiB allocations between and inside
-#          steps (--stress-gb): out-of-memory errors per run (LAYERSTREAM_STRESS_RUNS: auto min stock flow2auto)
+#          steps (--stress-gb): out-of-memory errors per run (LAYERSTREAM_STRESS_RUNS: default min stock, also auto flow2auto flow2default)
 #   rings  FLUX.1-shaped bf16 100% streamed, layerstream alone, at several ring sizes, lookaheads and
 #          placements (LAYERSTREAM_PERF_RINGS="default default:lru 1024 1536x16:lru ...": MiB, x layers,
 #          :fifo or :lru for LAYERSTREAM_RING_POLICY)
@@ -166,7 +166,18 @@ pick_runs() {  # pick_runs LABEL SETTING KNOWN (space-separated)
 }
 installed() { python3 -c 'import layerstream.manager_modules' 2>/dev/null; }
 # The package for the benchmark modes: built and installed unless it is already.
-ensure_installed() { installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .; }
+# With LAYERSTREAM_PREBUILT set to a wheel (scripts/build_wheel.sh, built elsewhere and carried), that wheel is
+# installed into a folder of its own in front of the rest instead: no build on the lent machine.
+ensure_installed() {
+  if [[ -n ${LAYERSTREAM_PREBUILT:-} ]]; then
+    [[ -e /tmp/prebuilt-site/.installed ]] || { rm -rf /tmp/prebuilt-site && run prebuilt_install python3 -m pip install \
+      -q --no-index --no-deps --target /tmp/prebuilt-site "$LAYERSTREAM_PREBUILT" && touch /tmp/prebuilt-site/.installed; }
+    export PYTHONPATH=/tmp/prebuilt-site${PYTHONPATH:+:$PYTHONPATH}
+    run prebuilt_which python3 -c 'import layerstream, layerstream.manager_modules as m; print(layerstream.__file__, m.__torch_version__)'
+    return
+  fi
+  installed || run pip_install python3 -m pip install --no-build-isolation --no-deps .
+}
 # The result rows of a flux_bench table (its --md-out) into the summary, each after `label`.
 # racecheck's hazard lines in LOG, all of them or those outside cuDNN's own kernels (which report hazards
 # without layerstream too: benchmarks/racecheck_control.py).
@@ -594,34 +605,35 @@ if want perf2 && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
 fi
 
 if want defaults && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
-  # Issue 45's evidence: the default (LAYERSTREAM_HOST_DTYPE=auto) against the previous default (same) and stock,
-  # on one machine, each row with its floor breakdown (LAYERSTREAM_DEFAULTS_RUNS picks): flux1 (100% streamed:
-  # resident, stock, same, then auto; about 5 min), flux1det (deterministic kernels, same vs auto: losses bitwise
-  # equal; 2 min), flux1cap (24 GiB cap, VRAM budget auto: stock, same, auto; 4 min), flux2cap (FLUX.2 under 24 GiB,
-  # budget auto: stock, same, auto; about 9 min: a call of its own).
+  # Issue 45's evidence: layerstream at default settings (LAYERSTREAM_HOST_DTYPE=auto, LAYERSTREAM_VRAM_BUDGET=auto)
+  # against the previous defaults (same, min) and stock, on one machine and one build, each row with its floor
+  # breakdown (LAYERSTREAM_DEFAULTS_RUNS picks): flux1 (100% streamed: resident, stock, previous, then default;
+  # about 5 min), flux1det (deterministic kernels, previous vs default: losses bitwise equal; 2 min), flux1cap
+  # (under a 24 GiB cap: stock, previous, default; 4 min), flux2cap (FLUX.2 under 24 GiB: stock, previous,
+  # default; about 9 min: a call of its own).
   ensure_installed
   pick_runs defaults "${LAYERSTREAM_DEFAULTS_RUNS:-flux1,flux1det}" "flux1 flux1det flux1cap flux2cap"; DRUNS=$PICKED
   DB=(--warmup 2 --steps 3)
+  PREV=(LAYERSTREAM_VRAM_BUDGET=min)  # with --host-dtype same: the defaults before issue 45
   if [[ $DRUNS == *,flux1,* ]]; then
-    step "FLUX.1 100% streamed: resident, stock, layerstream same (the previous default)"
-    flux defaults_flux1_same --preset flux1 "${DB[@]}" --mode resident,stock,layerstream --host-dtype same
-    step "FLUX.1 100% streamed: layerstream at default settings (auto)"
-    flux defaults_flux1_auto --preset flux1 "${DB[@]}" --mode layerstream --reference-json "$OUT/defaults_flux1_same.json"
+    step "FLUX.1 100% streamed: resident, stock, layerstream at the previous defaults (same, min)"
+    flux defaults_flux1_prev "${PREV[@]}" --preset flux1 "${DB[@]}" --mode resident,stock,layerstream --host-dtype same
+    step "FLUX.1 100% streamed: layerstream at default settings"
+    flux defaults_flux1_default --preset flux1 "${DB[@]}" --mode layerstream --reference-json "$OUT/defaults_flux1_prev.json"
   fi
   if [[ $DRUNS == *,flux1det,* ]]; then
-    step "FLUX.1 100% streamed, deterministic kernels: same against auto"
-    flux defaults_flux1det_same --preset flux1 "${DB[@]}" --deterministic --mode layerstream --host-dtype same
-    flux defaults_flux1det_auto --preset flux1 "${DB[@]}" --deterministic --mode layerstream
-    compare_losses "$OUT/defaults_flux1det_same.json" "$OUT/defaults_flux1det_auto.json"
+    step "FLUX.1 100% streamed, deterministic kernels: the previous defaults against the defaults"
+    flux defaults_flux1det_prev "${PREV[@]}" --preset flux1 "${DB[@]}" --deterministic --mode layerstream --host-dtype same
+    flux defaults_flux1det_default --preset flux1 "${DB[@]}" --deterministic --mode layerstream
+    compare_losses "$OUT/defaults_flux1det_prev.json" "$OUT/defaults_flux1det_default.json" previous default
   fi
   for item in flux1cap flux2cap; do
     [[ $DRUNS == *,$item,* ]] || continue
     P=flux1; [[ $item == flux2cap ]] && P=flux2
-    step "$P under a 24 GiB cap, VRAM budget auto: stock, layerstream same, then auto"
-    flux "defaults_${item}_same" LAYERSTREAM_VRAM_BUDGET=auto --preset "$P" --vram-cap-gb 24 "${DB[@]}" \
-      --mode stock,layerstream --host-dtype same
-    flux "defaults_${item}_auto" LAYERSTREAM_VRAM_BUDGET=auto --preset "$P" --vram-cap-gb 24 "${DB[@]}" \
-      --mode layerstream
+    step "$P under a 24 GiB cap: stock, layerstream at the previous defaults, then at default settings"
+    flux "defaults_${item}_prev" "${PREV[@]}" --preset "$P" --vram-cap-gb 24 "${DB[@]}" --mode stock,layerstream \
+      --host-dtype same
+    flux "defaults_${item}_default" --preset "$P" --vram-cap-gb 24 "${DB[@]}" --mode layerstream
   done
 fi
 
@@ -715,17 +727,20 @@ fi
 if want stress; then
   # Issue 45's stress: AI-Toolkit's flow (buckets, samples, the model on the GPU before attach) under a 24 GiB
   # cap with the user's allocations of 2, 4 and 8 GiB in turn, one between steps and one inside each step
-  # (--stress-gb): out-of-memory errors counted per run. LAYERSTREAM_STRESS_RUNS picks among auto (layerstream
-  # LAYERSTREAM_VRAM_BUDGET=auto), min (layerstream's memory-first mode), stock, flow2auto (FLUX.2-shaped, auto).
+  # (--stress-gb): out-of-memory errors counted per run. LAYERSTREAM_STRESS_RUNS picks among default (layerstream
+  # at default settings), auto (LAYERSTREAM_VRAM_BUDGET=auto), min (layerstream's memory-first mode), stock,
+  # flow2auto and flow2default (FLUX.2-shaped).
   ensure_installed
-  pick_runs stress "${LAYERSTREAM_STRESS_RUNS:-auto,min,stock}" "auto min stock flow2auto"; SRUNS=$PICKED
+  pick_runs stress "${LAYERSTREAM_STRESS_RUNS:-default,min,stock}" "default auto min stock flow2auto flow2default"; SRUNS=$PICKED
   read -r SW SS <<<"${LAYERSTREAM_STRESS_STEPS:-2 6}"
   SFLOW=(--aitk-flow --vram-cap-gb 24 --warmup "$SW" --steps "$SS" --stress-gb "${LAYERSTREAM_STRESS_GB:-2,4,8}")
   step "stress: the user's allocations between and inside steps under a 24 GiB cap"
+  [[ $SRUNS == *,default,* ]] && flux stress_flux1_default --preset flux1 "${SFLOW[@]}" --mode layerstream
   [[ $SRUNS == *,auto,* ]] && flux stress_flux1_auto LAYERSTREAM_VRAM_BUDGET=auto --preset flux1 "${SFLOW[@]}" --mode layerstream
   [[ $SRUNS == *,min,* ]] && flux stress_flux1_min LAYERSTREAM_VRAM_BUDGET=min --preset flux1 "${SFLOW[@]}" --mode layerstream
   [[ $SRUNS == *,stock,* ]] && flux stress_flux1_stock --preset flux1 "${SFLOW[@]}" --mode stock --offload-percent 0.5
   [[ $SRUNS == *,flow2auto,* ]] && flux stress_flux2_auto LAYERSTREAM_VRAM_BUDGET=auto --preset flux2 "${SFLOW[@]}" --mode layerstream
+  [[ $SRUNS == *,flow2default,* ]] && flux stress_flux2_default --preset flux2 "${SFLOW[@]}" --mode layerstream
   for f in "$OUT"/stress_*.md; do
     [[ -e $f ]] && sed -n '/^--stress-gb/,/^$/p' "$f" | grep -E '^  ' | sed "s|^  |      $(basename "$f" .md): |" >>"$OUT/summary.txt"
   done
