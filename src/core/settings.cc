@@ -271,8 +271,8 @@ const std::set<std::string>& tool_names() {
       "LAYERSTREAM_MODEL_RUNS", "LAYERSTREAM_MODEL_STEPS", "LAYERSTREAM_MEM_STEPS", "LAYERSTREAM_AITKMM_ENGINES",
       // scripts/gpu_check.sh: its AI-Toolkit jobs and the release wheel's architectures.
       "LAYERSTREAM_AITKJOBS", "LAYERSTREAM_WHEEL_ARCHS", "LAYERSTREAM_WHEEL_FILES", "LAYERSTREAM_WHEEL_PREBUILT",
-      // scripts/gpu_check.sh ab: the two wheels compared and the runs.
-      "LAYERSTREAM_AB_BEFORE", "LAYERSTREAM_AB_AFTER", "LAYERSTREAM_AB_RUNS", "LAYERSTREAM_AB_ROUNDS",
+      // scripts/gpu_check.sh ab: the two wheels compared and the runs; the benchmark modes' carried wheel.
+      "LAYERSTREAM_AB_BEFORE", "LAYERSTREAM_AB_AFTER", "LAYERSTREAM_AB_RUNS", "LAYERSTREAM_AB_ROUNDS", "LAYERSTREAM_PREBUILT",
   };
   return names;
 }

@@ -261,18 +261,6 @@ std::string decode_nvfp4_into(const OstrisFast& f, const std::vector<at::Tensor>
   return "";
 }
 
-// The backend's own dequantization of the swapped-in buffers, in x's dtype: what each layout's decode is proved
-// against.
-py::object uintx_own_weight(const py::object& q, const py::object& module, const py::object& dtype) {
-  return q.attr("_dequantize_native")(module).attr("to")(dtype);
-}
-py::object nvfp4_own_weight(const py::object& q, const py::object& module, const py::object& dtype) {
-  return q.attr("_dequantize_weight")(module, dtype);
-}
-py::object rotated_own_weight(const py::object& q, const py::object& module, const py::object& dtype) {
-  return q.attr("_dequantize_rotated")(module, dtype);  // orbit, orbit-VQ, convrot4: the rotated weight
-}
-
 // Each layout's call with its weight decoded (`b` the bias or undefined); nullopt: the layer's own forward.
 std::optional<py::object> linear_call(const py::object&, OstrisFast&, const std::vector<at::Tensor>&, const py::object&,
                                       const at::Tensor& xt, const at::Tensor& w, const at::Tensor& b, std::int64_t,
@@ -335,7 +323,10 @@ struct OstrisLayout {
   // Decodes the staged buffers into `w` ([rows, cols] of the input's type); why not, or "".
   std::string (*decode)(const OstrisFast&, const std::vector<at::Tensor>& staged, at::Tensor& w, RealType out,
                         const py::object& x, bool on_cuda);
-  py::object (*own_weight)(const py::object& quantizer, const py::object& module, const py::object& dtype);
+  // The backend's own dequantization of the swapped-in buffers that the decode is proved against: its method,
+  // called (module, dtype), or (module) then .to(dtype) where it takes no dtype (uintx).
+  const char* own_weight;
+  bool own_weight_takes_dtype;
   bool nvfp4_codes;  // code 8's zero sign is guessed from the device and settled by the first proof
   std::optional<py::object> (*call)(const py::object& module, OstrisFast&, const std::vector<at::Tensor>& staged,
                                     const py::object& x, const at::Tensor& xt, const at::Tensor& w, const at::Tensor& b,
@@ -344,14 +335,16 @@ struct OstrisLayout {
 
 namespace {
 
-const OstrisLayout kUintx{"uintx", fill_uintx, nullptr, nullptr, decode_uintx_into, uintx_own_weight, false, linear_call};
-const OstrisLayout kCodebook{"codebook", fill_codebook, nullptr, nullptr, decode_codebook_into, rotated_own_weight, false,
-                             codebook_call};
-const OstrisLayout kNvfp4{"nvfp4", fill_nvfp4, nullptr, nullptr, decode_nvfp4_into, nvfp4_own_weight, true, nvfp4_call};
+const OstrisLayout kUintx{"uintx", fill_uintx, nullptr, nullptr, decode_uintx_into, "_dequantize_native", false, false,
+                          linear_call};
+const OstrisLayout kCodebook{"codebook", fill_codebook, nullptr, nullptr, decode_codebook_into, "_dequantize_rotated",
+                             true, false, codebook_call};
+const OstrisLayout kNvfp4{"nvfp4", fill_nvfp4, nullptr, nullptr, decode_nvfp4_into, "_dequantize_weight", true, true,
+                          nvfp4_call};
 const OstrisLayout kConvrot4{"convrot4", fill_convrot4, nullptr, convrot4_decodes, decode_nvfp4_into,
-                             rotated_own_weight, true, convrot4_call};
+                             "_dequantize_rotated", true, true, convrot4_call};
 const OstrisLayout kConvrotInt{"convrot-int", fill_convrot_int, convrot_int_forward, nullptr, nullptr, nullptr, false,
-                               nullptr};
+                               false, nullptr};
 
 // The backends layerstream decodes: the quantizer's class, the module it must come from (toolkit.util.<name>),
 // and its layout.
@@ -385,7 +378,9 @@ const OstrisLayout* layout_of(const std::string& cls, const std::string& module)
 // (swapped into the layer); why they are not the same, or "".
 std::string differs_from_backend(const py::object& module, const OstrisFast& f, const at::Tensor& w, const py::object& x) {
   try {
-    const at::Tensor theirs = f.layout->own_weight(module.attr("ostris_quantizer"), module, x.attr("dtype")).cast<at::Tensor>();
+    const py::object own = module.attr("ostris_quantizer").attr(f.layout->own_weight);
+    const at::Tensor theirs = (f.layout->own_weight_takes_dtype ? own(module, x.attr("dtype"))
+                                                                : own(module).attr("to")(x.attr("dtype"))).cast<at::Tensor>();
     if (!same_bits(w, theirs)) {
       return at::equal(w, theirs) ? "its weight decoded by layerstream differed from its own dequantization in the sign of zeros"
                                   : "its weight decoded by layerstream differed from its own dequantization";

@@ -83,6 +83,7 @@ def test_the_flows_samples_are_counted_apart_from_the_steps(monkeypatch):
     aitk = _aitk_dir()
     monkeypatch.setenv("LAYERSTREAM_BACKEND", "sim")
     monkeypatch.setenv("LAYERSTREAM_TIME_WAITS", "1")
+    monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "min")  # every layer streams: a sample copies bytes too
     rows = {}
     for every in (0, 1):
         args = parse_args(["--preset", "qwen-image-small", "--rank", "4", "--warmup", "1", "--steps", "2",

@@ -55,9 +55,10 @@ def test_flux2_shapes_and_options_run_in_one_call(tmp_path):
     for name, extra in runs.items():
         out = tmp_path / f"{name}.json"
         # On the CPU wherever it runs (a GPU machine too): the simulator's losses and resident's compare
-        # only when both compute on one device.
+        # only when both compute on one device. The memory-first mode: every layer crosses the bus each step.
+        env = {**os.environ, "LAYERSTREAM_BACKEND": "sim", "CUDA_VISIBLE_DEVICES": "", "LAYERSTREAM_VRAM_BUDGET": "min"}
         result = subprocess.run(base + extra + ["--json-out", str(out)], capture_output=True, text=True,
-                                timeout=600, env={**os.environ, "LAYERSTREAM_BACKEND": "sim", "CUDA_VISIBLE_DEVICES": ""})
+                                timeout=600, env=env)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
         rows[name] = json.loads(out.read_text())["results"]
     resident, streamed = rows["bf16"]

@@ -50,6 +50,7 @@ def test_by_default_bf16_weights_of_a_mib_or_more_are_packed_and_training_is_bit
     packed; the losses and LoRA gradients equal the unmanaged model's bit for bit, step for step."""
     monkeypatch.delenv("LAYERSTREAM_HOST_DTYPE", raising=False)
     monkeypatch.setenv("LAYERSTREAM_RING_MB", "64")  # every block fits: each crosses the bus once
+    monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "min")  # the memory-first mode: every layer streams
     mm._testing.reset_log_once()
     clear_device_states()
     assert mm.settings()["host_dtype"] == "auto"

@@ -114,6 +114,7 @@ def test_lossless_training_is_bitwise_the_plain_streamed_run_with_a_quarter_fewe
     if engine == "cpu":
         pytest.skip("the CPU mode copies nothing")
     monkeypatch.setenv("LAYERSTREAM_RING_MB", "8")  # every block fits: each crosses the bus once
+    monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "min")  # the memory-first mode: every layer streams
     torch.manual_seed(5)
     base = TinyTransformer(d=128, ff=384, layers=3, checkpointing="non_reentrant").to(torch.bfloat16)
     base.requires_grad_(False)

@@ -79,10 +79,10 @@ def test_refusals_read_as_written():
         "1073741824 (1 PiB), e.g. LAYERSTREAM_RING_MB=3072 (unset: on a GPU four of the largest layer, never more "
         "than the layers take (the CPU modes: 3x); with a VRAM budget its plan's)")
     assert _native.setting_refusal("LAYERSTREAM_VRAM_BUDGET", "lots", "the environment") == (
-        "LAYERSTREAM_VRAM_BUDGET=lots (the environment) is not accepted; it takes min (no layer kept: the least "
-        "device memory), auto (what the device has free, given back when the process needs it) or a size from "
-        "1 MiB to 1 PiB such as 24G, 24GB, 24GiB or '24 GiB' (case-insensitive, binary: 24GB is 24x2^30 bytes) or "
-        "a number of bytes, e.g. LAYERSTREAM_VRAM_BUDGET=auto (unset: min)")
+        "LAYERSTREAM_VRAM_BUDGET=lots (the environment) is not accepted; it takes auto (what the device has free, "
+        "given back when the process needs it), min (no layer kept: the least device memory, the memory-first "
+        "mode) or a size from 1 MiB to 1 PiB such as 24G, 24GB, 24GiB or '24 GiB' (case-insensitive, binary: 24GB "
+        "is 24x2^30 bytes) or a number of bytes, e.g. LAYERSTREAM_VRAM_BUDGET=min (unset: auto)")
     assert _native.setting_refusal("LAYERSTREAM_HOST_DTYPE", "fp8") == (
         "LAYERSTREAM_HOST_DTYPE=fp8 is not accepted; it takes auto (lossless for frozen bfloat16 weights of 1 MiB "
         "or more where this device and host can decode and pack them, the rest as they are; an INFO line says "
@@ -291,6 +291,7 @@ def test_configure_takes_precedence_until_given_back(fresh, monkeypatch):
 def test_settings_lists_every_native_setting_at_its_declared_default(fresh):
     """settings() is derived from the declaration: one key per native setting, in the table's order, each at the
     declared default (a default that describes the unset setting, such as "no cap", reads None)."""
+    mm.configure(**{key: None for key in mm.settings()})  # read again from the environment `fresh` emptied
     shown = mm.settings()
     natives = [spec for spec in TABLE if spec.native]
     assert list(shown) == [spec.name[len("LAYERSTREAM_"):].lower() for spec in natives]

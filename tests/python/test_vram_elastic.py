@@ -441,10 +441,10 @@ def test_random_allocations_between_and_inside_steps_under_delayed_streams_stay_
 
 def test_without_a_budget_an_allocation_that_does_not_fit_still_fails_and_nothing_changes(engine, device,
                                                                                          monkeypatch):
-    """The default (min) keeps no layer resident: there is nothing to give back, so an allocation larger
-    than what is free fails as it would without layerstream, with the simulator's message, and training
+    """min (the memory-first mode) keeps no layer resident: there is nothing to give back, so an allocation
+    larger than what is free fails as it would without layerstream, with the simulator's message, and training
     goes on."""
-    base, ref, managed, state = _on_a_small_card(engine, device, monkeypatch, STEPS[:4], budget=None)
+    base, ref, managed, state = _on_a_small_card(engine, device, monkeypatch, STEPS[:4], budget="min")
 
     def between(step):
         if step == 1:
@@ -456,14 +456,14 @@ def test_without_a_budget_an_allocation_that_does_not_fit_still_fails_and_nothin
     assert stats["pressure_yields"] == 0 and stats["resident_bytes"] == 0 and stats["vram_budget_planned"] == 0
 
 
-def test_vram_budget_min_is_the_default_said_explicitly(engine, device, monkeypatch):
-    """LAYERSTREAM_VRAM_BUDGET=min is what an unset variable does: no plan, no resident layer, the same
-    ring and the same bytes per step."""
+def test_vram_budget_auto_is_the_default_and_min_keeps_nothing(engine, device, monkeypatch):
+    """An unset LAYERSTREAM_VRAM_BUDGET is auto: the same plan, ring, resident layers and bytes per step as auto
+    said explicitly; min (the memory-first mode) makes no plan and keeps no layer."""
     if engine != "sim":
         pytest.skip("the ring and its bytes per step are the engine's (sim here, CUDA in the GPU suite)")
     base = _base()
     moved = {}
-    for setting in (None, "min"):
+    for setting in (None, "auto", "min"):
         clear_device_states()
         if setting:
             monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", setting)
@@ -472,8 +472,9 @@ def test_vram_budget_min_is_the_default_said_explicitly(engine, device, monkeypa
         _train(managed, apply_lora(managed), device, STEPS[:3])
         stats = mm._DEVICE_STATE[device].stats()
         moved[setting] = (stats["ring_bytes"], stats["bytes_h2d"], stats["resident_bytes"], stats["vram_budget_planned"])
-    assert moved[None] == moved["min"]
-    assert moved[None][2:] == (0, 0)
+    assert moved[None] == moved["auto"]
+    assert moved[None][3] == 1 and moved[None][2] > 0
+    assert moved["min"][2:] == (0, 0)
 
 
 def _gpu_or_skip(engine):

@@ -91,6 +91,7 @@ def test_ema_swap_through_data_is_seen_by_the_next_call(engine, device, monkeypa
     """EMA's copy_to/restore write p.data.copy_(...), which leaves the Parameter's version alone: a device
     copy (ring or resident) kept from before would be served stale. Trainable layers copy at every use."""
     aitk_dir = DIRS[0]
+    monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "min")  # the copies counted below are the ring's and RESIDENT_MB's
     if resident_mb:
         monkeypatch.setenv("LAYERSTREAM_RESIDENT_MB", resident_mb)
     ema_cls = _import_ema(aitk_dir)
@@ -115,10 +116,13 @@ def test_ema_swap_through_data_is_seen_by_the_next_call(engine, device, monkeypa
         assert stats["resident_layers"] == (3 if resident_mb else 0)
 
 
-def test_frozen_layers_still_reuse_their_device_copies(engine, device):
-    """The common LoRA case (frozen base, no .data writes) keeps its copies: 3 layers, 20 calls, 3 copies."""
+def test_frozen_layers_still_reuse_their_device_copies(engine, device, monkeypatch):
+    """The common LoRA case (frozen base, no .data writes) keeps its copies: 3 layers, 20 calls, 3 copies (in the
+    ring: with the VRAM budget, auto, the plan's resident copies come on top)."""
     if engine != "sim":
         pytest.skip("counts the simulator's copies")
+    monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "min")
+    clear_device_states()
     model = attached(mlp().requires_grad_(False), device)
     x = torch.randn(2, 64, requires_grad=True)
     for _ in range(10):
