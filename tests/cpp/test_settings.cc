@@ -44,7 +44,7 @@ TEST(Settings, TheDefaultsAreTheDeclaredOnesNotTheStructsZeros) {
   EXPECT_TRUE(s.ostris_decode);
   EXPECT_EQ(s.host_dtype, HostDtype::kAuto);
   EXPECT_EQ(s.vram_peak, VramPeak::kCycles);
-  EXPECT_FALSE(s.vram_budget.enabled);
+  EXPECT_TRUE(s.vram_budget.enabled && s.vram_budget.automatic);  // auto
   EXPECT_EQ(s.sim_device_bytes, std::size_t{64} << 30);
   EXPECT_FALSE(s.ring_bytes || s.pinned_cap_bytes || s.share_token || s.sim_faults || s.sim_pinnable_bytes);
 }
