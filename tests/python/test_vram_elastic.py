@@ -749,3 +749,52 @@ def test_the_lent_quarter_goes_back_to_a_torch_allocation_between_steps_on_the_g
         assert made == [1]  # the allocation was made, by the lend
         plans = [r.getMessage() for r in caplog.records if "VRAM budget on" in r.getMessage()]
         assert "(LAYERSTREAM_VRAM_GAP=lend)" in plans[0] and "in the quarter lent between steps" in plans[0], plans
+
+
+def test_a_second_model_attached_after_the_plan_at_default_settings_gets_its_memory(engine, device, monkeypatch):
+    """At default settings (the budget is auto): a transformer trains until the budget has planned and kept
+    layers on the 12 MiB simulated card, then a second model is attached later (a refiner, an encoder loaded
+    again for a sample) and runs under no_grad, and the user takes 4 MiB between steps. Resident layers make
+    room for both, the second model's outputs and every training loss equal the unmanaged runs', and what
+    stays on the card never exceeds it."""
+    if engine != "sim":
+        pytest.skip("the simulated card signals the pressure")
+    monkeypatch.setenv("LAYERSTREAM_SIM_DEVICE_MB", "12")
+    monkeypatch.setenv("LAYERSTREAM_RING_MB", "2")
+    monkeypatch.delenv("LAYERSTREAM_VRAM_BUDGET", raising=False)
+    base = _base()
+    torch.manual_seed(33)
+    second_base = TinyTransformer(d=256, ff=512, layers=2).requires_grad_(False)
+    probe = torch.randn(1, 5, 256, generator=torch.Generator().manual_seed(34))
+    with torch.no_grad():
+        second_ref = copy.deepcopy(second_base)(probe)
+    resident = copy.deepcopy(base)
+    ref = _train(resident, apply_lora(resident), device, STEPS)
+    managed = copy.deepcopy(base)
+    ContractManager.attach(mm, managed, device).to_device()
+    state = mm._DEVICE_STATE[device]
+    seen, held, outputs = {}, [], []
+
+    def between(step):
+        if step == 3:
+            seen["planned"] = state.stats()
+            second = copy.deepcopy(second_base)
+            ContractManager.attach(mm, second, device).to_device()
+            with torch.no_grad():
+                outputs.append(second(probe.to(device)))
+            seen["second"] = state.stats()
+        if step == 5:
+            held.append(mm._testing.sim_device_alloc(state, 4 * MiB))  # fits only where resident layers make room
+            seen["held"] = state.stats()
+        if step == 9:
+            mm._testing.sim_device_free(state, held.pop())
+
+    assert _train(managed, apply_lora(managed), device, STEPS, between) == ref
+    assert torch.equal(outputs[0].cpu(), second_ref)
+    planned, second, after = seen["planned"], seen["second"], seen["held"]
+    assert planned["vram_budget_planned"] == 1 and planned["resident_bytes"] > 0
+    assert second["layers"] == planned["layers"] + 12  # the second model's linears joined the engine
+    assert after["ring_bytes"] + after["resident_bytes"] + 4 * MiB <= 12 * MiB
+    assert after["pressure_yields"] >= 1  # the 4 MiB did not fit beside what the plan kept: it yielded first
+    stats = state.stats()
+    assert stats["sim_races"] == 0 and stats["ring_bytes"] + stats["resident_bytes"] <= 12 * MiB
