@@ -232,8 +232,9 @@ def _verify(checkout: Checkout) -> None:
 def next_steps(root: Path) -> str:
     where = checkout_arg(root)
     return (f"Next: set `layer_offloading: true` under `model:` in your job config (UI: Model -> Layer Offloading), "
-            f"start training, and look for `layerstream manager_modules active` in the log. Settings go into "
-            f"{root / '.env'}: `{command('layerstream', 'set', 'LAYERSTREAM_VRAM_BUDGET=auto', *where)}`; "
+            f"start training, and look for `layerstream manager_modules active` in the log. The defaults are the "
+            f"fast settings; settings go into {root / '.env'}, e.g. the least VRAM: "
+            f"`{command('layerstream', 'set', 'LAYERSTREAM_VRAM_BUDGET=min', *where)}`; "
             f"`{command('layerstream', 'status', *where)}` checks them.")
 
 
