@@ -234,14 +234,21 @@ def _wait(proc: subprocess.Popen, interrupt, timeout_s: float) -> tuple[int, int
         time.sleep(0.05)
 
 
+def _sigint_as_a_terminal_sends_it() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_job(checkout: Path, configs: list[Path], env: dict, log_path: Path, python: str = sys.executable,
             interrupt=None, timeout_s: float = 3600) -> tuple[int, int, float, bool]:
     """AI-Toolkit's run.py on the jobs (several run one after another in its one process); the output into
     ``log_path``. Returns (status, peak RSS, start time, killed)."""
     start = time.time()
     with open(log_path, "ab") as log:
+        # Ctrl-C as a terminal delivers it: a harness started in the background by a shell without job control
+        # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler in run.py.
         proc = subprocess.Popen([python, "run.py", *map(str, configs)], cwd=checkout, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_sigint_as_a_terminal_sends_it if os.name == "posix" else None)
         code, rss, killed = _wait(proc, interrupt, timeout_s)
     return code, rss, start, killed
 
