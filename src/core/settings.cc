@@ -56,16 +56,43 @@ constexpr auto kUser = SettingAudience::kUser;
 constexpr auto kTuning = SettingAudience::kTuning;
 constexpr auto kTests = SettingAudience::kTests;
 
-std::string host_dtype_text(const Settings& s) {
-  switch (s.host_dtype) {
-    case HostDtype::kSame: return "same";
-    case HostDtype::kLossless: return "lossless";
-    case HostDtype::kFloat8E4M3: return "float8_e4m3fn";
-    case HostDtype::kFloat8E5M2: return "float8_e5m2";
-    case HostDtype::kAuto: break;
+// A choice setting's words and what each means, read by its parser (exactly as written) and by its shower (the
+// first word of a value).
+template <typename E>
+struct Named {
+  const char* word;
+  E value;
+};
+template <typename E, std::size_t N>
+bool parse_choice(E& field, const Named<E> (&words)[N], const std::string& text) {
+  for (const Named<E>& w : words) {
+    if (text == w.word) {
+      field = w.value;
+      return true;
+    }
   }
-  return "auto";
+  return false;
 }
+template <typename E, std::size_t N>
+std::string word_of(E value, const Named<E> (&words)[N]) {
+  for (const Named<E>& w : words) {
+    if (w.value == value) return w.word;
+  }
+  return "";
+}
+
+constexpr Named<HostDtype> kHostDtypes[] = {{"auto", HostDtype::kAuto},
+                                            {"same", HostDtype::kSame},
+                                            {"lossless", HostDtype::kLossless},
+                                            {"float8_e4m3fn", HostDtype::kFloat8E4M3},
+                                            {"float8_e5m2", HostDtype::kFloat8E5M2}};
+constexpr Named<RingPolicy> kRingPolicies[] = {{"fifo", RingPolicy::kFifo}, {"lru", RingPolicy::kLeastRecentlyUsed}};
+constexpr Named<VramPeak> kVramPeaks[] = {{"cycles", VramPeak::kCycles}, {"window", VramPeak::kWindow}};
+constexpr Named<VramGap> kVramGaps[] = {
+    {"peak", VramGap::kQuarterAtPeak}, {"start", VramGap::kQuarterAboveStart}, {"lend", VramGap::kLend}};
+constexpr Named<ShareHost> kShareHosts[] = {{"auto", ShareHost::kAuto}, {"on", ShareHost::kOn}, {"1", ShareHost::kOn},
+                                            {"off", ShareHost::kOff}, {"0", ShareHost::kOff}};
+constexpr Named<CpuBackend> kBackends[] = {{"cpu", CpuBackend::kCpu}, {"sim", CpuBackend::kSim}};
 
 // Every setting, in the order of the docs' tables (docs/ai-toolkit.md, "Modes and settings").
 const Entry kEntries[] = {
@@ -90,16 +117,8 @@ const Entry kEntries[] = {
     "float8_e4m3fn or float8_e5m2 (8-bit codes with a scale per output channel: half the bytes to copy, "
     "not exact; host RAM 1.5x the bfloat16 weights)",
     "lossless", "the form frozen weights are kept in on the host and copied to the device in"},
-   [](Settings& s, const std::string& t) {
-     const std::map<std::string, HostDtype> forms = {{"auto", HostDtype::kAuto},
-                                                     {"same", HostDtype::kSame},
-                                                     {"lossless", HostDtype::kLossless},
-                                                     {"float8_e4m3fn", HostDtype::kFloat8E4M3},
-                                                     {"float8_e5m2", HostDtype::kFloat8E5M2}};
-     const auto it = forms.find(t);
-     return it != forms.end() && store(s.host_dtype, std::optional<HostDtype>(it->second));
-   },
-   host_dtype_text},
+   [](Settings& s, const std::string& t) { return parse_choice(s.host_dtype, kHostDtypes, t); },
+   [](const Settings& s) { return word_of(s.host_dtype, kHostDtypes); }},
   {{"LAYERSTREAM_LOG", "choice", kUser, false, "info", "info, warning, debug or off", "warning",
     "which of layerstream's log lines are printed (info: the active line, the VRAM plan, the periodic summary)"},
    [](Settings&, const std::string& t) {
@@ -127,12 +146,8 @@ const Entry kEntries[] = {
   {{"LAYERSTREAM_RING_POLICY", "choice", kTuning, true, "fifo",
     "fifo (a copy goes at the ring's head) or lru (over the memory used longest ago; experimental)", "lru",
     "where the ring places a copy (the VRAM budget's plan models fifo)"},
-   [](Settings& s, const std::string& t) {
-     if (t != "fifo" && t != "lru") return false;
-     s.ring_policy = t == "lru" ? RingPolicy::kLeastRecentlyUsed : RingPolicy::kFifo;
-     return true;
-   },
-   [](const Settings& s) { return std::string(s.ring_policy == RingPolicy::kLeastRecentlyUsed ? "lru" : "fifo"); }},
+   [](Settings& s, const std::string& t) { return parse_choice(s.ring_policy, kRingPolicies, t); },
+   [](const Settings& s) { return word_of(s.ring_policy, kRingPolicies); }},
   {{"LAYERSTREAM_RESIDENT_MB", "MiB", kTuning, true, "0", kMiBRangeOrZero, "4096",
     "MiB of layers kept on the device for good (first used, first kept)"},
    [](Settings& s, const std::string& t) { return store(s.resident_bytes, mib(t, 0)); },
@@ -140,25 +155,15 @@ const Entry kEntries[] = {
   {{"LAYERSTREAM_VRAM_PEAK", "choice", kTuning, true, "cycles",
     "cycles (each training cycle's step and gap measured apart) or window (the first steps' window)", "window",
     "how the VRAM budget measures a training step's peak (see \"VRAM budget\")"},
-   [](Settings& s, const std::string& t) {
-     if (t != "cycles" && t != "window") return false;
-     s.vram_peak = t == "cycles" ? VramPeak::kCycles : VramPeak::kWindow;
-     return true;
-   },
-   [](const Settings& s) { return std::string(s.vram_peak == VramPeak::kCycles ? "cycles" : "window"); }},
+   [](Settings& s, const std::string& t) { return parse_choice(s.vram_peak, kVramPeaks, t); },
+   [](const Settings& s) { return word_of(s.vram_peak, kVramPeaks); }},
   {{"LAYERSTREAM_VRAM_GAP", "choice", kTuning, true, "peak",
     "peak (a quarter of the device left free on top of the peak between steps), start (a quarter above the "
     "training cycle's start; experimental) or lend (the quarter lent to resident layers that go back first; "
     "experimental)",
     "start", "where the VRAM budget keeps the room it promises between training steps (see \"VRAM budget\")"},
-   [](Settings& s, const std::string& t) {
-     if (t != "peak" && t != "start" && t != "lend") return false;
-     s.vram_gap = t == "start" ? VramGap::kQuarterAboveStart : t == "lend" ? VramGap::kLend : VramGap::kQuarterAtPeak;
-     return true;
-   },
-   [](const Settings& s) {
-     return std::string(s.vram_gap == VramGap::kQuarterAboveStart ? "start" : s.vram_gap == VramGap::kLend ? "lend" : "peak");
-   }},
+   [](Settings& s, const std::string& t) { return parse_choice(s.vram_gap, kVramGaps, t); },
+   [](const Settings& s) { return word_of(s.vram_gap, kVramGaps); }},
   {{"LAYERSTREAM_OSTRIS_DECODE", "switch", kTuning, true, "1", kSwitch, "0",
     "layerstream decodes AI-Toolkit's OstrisLinear weights itself, each proven bitwise on its first call "
     "(0: every backend runs its own forward)"},
@@ -166,16 +171,8 @@ const Entry kEntries[] = {
    [](const Settings& s) { return on_off(s.ostris_decode); }},
   {{"LAYERSTREAM_SHARE_HOST", "choice", kTuning, true, "auto", "auto, 1 or on, or 0 or off", "0",
     "under torchrun or accelerate, the ranks of a host share one host copy of the frozen weights"},
-   [](Settings& s, const std::string& t) {
-     if (t == "auto") s.share_host = ShareHost::kAuto;
-     else if (t == "1" || t == "on") s.share_host = ShareHost::kOn;
-     else if (t == "0" || t == "off") s.share_host = ShareHost::kOff;
-     else return false;
-     return true;
-   },
-   [](const Settings& s) {
-     return std::string(s.share_host == ShareHost::kAuto ? "auto" : s.share_host == ShareHost::kOn ? "on" : "off");
-   }},
+   [](Settings& s, const std::string& t) { return parse_choice(s.share_host, kShareHosts, t); },
+   [](const Settings& s) { return word_of(s.share_host, kShareHosts); }},
   {{"LAYERSTREAM_SHARE_TIMEOUT_S", "seconds", kTuning, true, "600",
     "a positive number of seconds up to 31536000 (a year)", "600",
     "how long a rank waits for local rank 0's copy of a layer"},
@@ -222,12 +219,8 @@ const Entry kEntries[] = {
    [](const Settings& s) { return std::to_string(s.decode_blocks); }},
   {{"LAYERSTREAM_BACKEND", "choice", kTests, true, "cpu", "cpu or sim", "sim",
     "how a CPU process device runs: computed on the CPU as upstream, or through the engine on the simulator"},
-   [](Settings& s, const std::string& t) {
-     if (t != "sim" && t != "cpu") return false;
-     s.backend = t == "sim" ? CpuBackend::kSim : CpuBackend::kCpu;
-     return true;
-   },
-   [](const Settings& s) { return std::string(s.backend == CpuBackend::kSim ? "sim" : "cpu"); }},
+   [](Settings& s, const std::string& t) { return parse_choice(s.backend, kBackends, t); },
+   [](const Settings& s) { return word_of(s.backend, kBackends); }},
   {{"LAYERSTREAM_SIM_FAULTS", "count", kTests, true, "no faults",
     "a whole number (the seed of the simulator's fault injector)", "1234",
     "fault injection (delays, scrambled copies) on the simulator"},
