@@ -30,7 +30,8 @@
 #          layerstream under a 24 GiB cap with that cap as layerstream's VRAM budget
 #   defaults  issue 45: layerstream at default settings (host dtype auto, VRAM budget auto) against the previous
 #          defaults (same, min) and stock on one machine, with the floor breakdown (LAYERSTREAM_DEFAULTS_RUNS:
-#          flux1, flux1det, flux1cap, flux2cap); LAYERSTREAM_PREBUILT: a carried wheel instead of a build
+#          flux1, flux1det, flux1cap, flux2cap; LAYERSTREAM_DEFAULTS_ROWS: stock, prev, default, autosame, min);
+#          LAYERSTREAM_PREBUILT: a carried wheel instead of a build
 #   lossless  LAYERSTREAM_HOST_DTYPE=lossless: the decoder's bandwidth, FLUX.1 100% streamed and FLUX.2
 #          under a 24 GiB cap, layerstream alone (LAYERSTREAM_LOSSLESS_RUNS picks; about 5 minutes; flux1flow:
 #          FLUX.1 placed as AI-Toolkit places it, for the host RAM from the attach on)
@@ -607,33 +608,43 @@ fi
 if want defaults && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   # Issue 45's evidence: layerstream at default settings (LAYERSTREAM_HOST_DTYPE=auto, LAYERSTREAM_VRAM_BUDGET=auto)
   # against the previous defaults (same, min) and stock, on one machine and one build, each row with its floor
-  # breakdown (LAYERSTREAM_DEFAULTS_RUNS picks): flux1 (100% streamed: resident, stock, previous, then default;
-  # about 5 min), flux1det (deterministic kernels, previous vs default: losses bitwise equal; 2 min), flux1cap
-  # (under a 24 GiB cap: stock, previous, default; 4 min), flux2cap (FLUX.2 under 24 GiB: stock, previous,
-  # default; about 9 min: a call of its own).
+  # breakdown. LAYERSTREAM_DEFAULTS_RUNS picks the workloads: flux1 (100% streamed, no cap), flux1det (the same
+  # with deterministic kernels: previous vs default, losses compared bitwise; 2 min), flux1cap and flux2cap (under
+  # a 24 GiB cap; flux2cap about 2.5 min a row). LAYERSTREAM_DEFAULTS_ROWS picks the rows of flux1, flux1cap and
+  # flux2cap (default all): stock, prev (same, min), default, autosame (the default budget with the weights
+  # stored as they are: what lossless packing changes on its own), min (the memory-first mode at the default host
+  # dtype: what a user who asks for stock's VRAM gets); flux1 adds the all-resident row to stock's run.
   ensure_installed
   pick_runs defaults "${LAYERSTREAM_DEFAULTS_RUNS:-flux1,flux1det}" "flux1 flux1det flux1cap flux2cap"; DRUNS=$PICKED
+  pick_runs defaults-rows "${LAYERSTREAM_DEFAULTS_ROWS:-stock,prev,default,autosame,min}" "stock prev default autosame min"
+  DROWS=$PICKED
   DB=(--warmup 2 --steps 3)
   PREV=(LAYERSTREAM_VRAM_BUDGET=min)  # with --host-dtype same: the defaults before issue 45
-  if [[ $DRUNS == *,flux1,* ]]; then
-    step "FLUX.1 100% streamed: resident, stock, layerstream at the previous defaults (same, min)"
-    flux defaults_flux1_prev "${PREV[@]}" --preset flux1 "${DB[@]}" --mode resident,stock,layerstream --host-dtype same
-    step "FLUX.1 100% streamed: layerstream at default settings"
-    flux defaults_flux1_default --preset flux1 "${DB[@]}" --mode layerstream --reference-json "$OUT/defaults_flux1_prev.json"
-  fi
   if [[ $DRUNS == *,flux1det,* ]]; then
     step "FLUX.1 100% streamed, deterministic kernels: the previous defaults against the defaults"
     flux defaults_flux1det_prev "${PREV[@]}" --preset flux1 "${DB[@]}" --deterministic --mode layerstream --host-dtype same
     flux defaults_flux1det_default --preset flux1 "${DB[@]}" --deterministic --mode layerstream
     compare_losses "$OUT/defaults_flux1det_prev.json" "$OUT/defaults_flux1det_default.json" previous default
   fi
-  for item in flux1cap flux2cap; do
+  for item in flux1 flux1cap flux2cap; do
     [[ $DRUNS == *,$item,* ]] || continue
-    P=flux1; [[ $item == flux2cap ]] && P=flux2
-    step "$P under a 24 GiB cap: stock, layerstream at the previous defaults, then at default settings"
-    flux "defaults_${item}_prev" "${PREV[@]}" --preset "$P" --vram-cap-gb 24 "${DB[@]}" --mode stock,layerstream \
-      --host-dtype same
-    flux "defaults_${item}_default" --preset "$P" --vram-cap-gb 24 "${DB[@]}" --mode layerstream
+    P=flux1; CAP=(); REF=()
+    [[ $item == flux2cap ]] && P=flux2
+    [[ $item != flux1 ]] && CAP=(--vram-cap-gb 24)
+    step "$P ${CAP[*]:-100% streamed}: rows ${DROWS//,/ }"
+    if [[ $DROWS == *,stock,* ]]; then
+      MODES=stock; [[ $item == flux1 ]] && MODES=resident,stock
+      flux "defaults_${item}_stock" --preset "$P" "${CAP[@]}" "${DB[@]}" --mode "$MODES"
+      [[ $item == flux1 ]] && REF=(--reference-json "$OUT/defaults_${item}_stock.json")
+    fi
+    [[ $DROWS == *,prev,* ]] && flux "defaults_${item}_prev" "${PREV[@]}" --preset "$P" "${CAP[@]}" "${DB[@]}" \
+      --mode layerstream --host-dtype same "${REF[@]}"
+    [[ $DROWS == *,default,* ]] && flux "defaults_${item}_default" --preset "$P" "${CAP[@]}" "${DB[@]}" \
+      --mode layerstream "${REF[@]}"
+    [[ $DROWS == *,autosame,* ]] && flux "defaults_${item}_autosame" --preset "$P" "${CAP[@]}" "${DB[@]}" \
+      --mode layerstream --host-dtype same "${REF[@]}"
+    [[ $DROWS == *,min,* ]] && flux "defaults_${item}_min" "${PREV[@]}" --preset "$P" "${CAP[@]}" "${DB[@]}" \
+      --mode layerstream "${REF[@]}"
   done
 fi
 

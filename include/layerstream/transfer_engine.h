@@ -24,8 +24,11 @@
 // dequantizes from the codes). The scratch lives as long as the region: Lease::fill names the copy that
 // filled the region, so a reader that finds the fill it derived from may use what it wrote there, on the
 // stream that wrote it. Or the engine derives it: a layer's fill hook (add_external_layer) enqueues the
-// derivation on a stream of the engine's after each copy, before the copy's ready event. Resident copies
-// have no scratch.
+// derivation on a stream of the engine's after each copy, before the copy's ready event. A resident layer
+// with a fill hook gets its scratch in a ring region of its own (`device_extra` bytes, nothing else), derived
+// from the resident copy by the hook on that stream when the layer is prefetched or fetched, and kept while
+// the ring keeps the region: a resident packed weight is decoded ahead of its use, beside the compute, as a
+// streamed one is. A resident layer without a hook has no scratch.
 //
 // Downloads: download() enqueues a D2H copy ordered after the producer stream's work so far and returns
 // a ticket; the device source and host destination must stay alive and untouched until wait_download()
@@ -85,7 +88,8 @@ struct Lease {
   std::size_t bytes = 0;
   EventHandle ready;         // the copy's completion; wait_ready() waits on it
   bool copied = false;       // false when served from bytes already in the ring
-  // The region's scratch (add_external_layer's device_extra; nullptr for a resident layer or none asked),
+  // The region's scratch (add_external_layer's device_extra; nullptr where none was asked, and for a resident
+  // layer without a fill hook or whose scratch region the ring could not hold),
   // and the number of the copy that filled the region: unique in the process, new for every copy into a
   // newly placed region or a resident buffer, unchanged while the bytes (and the scratch) stay put.
   void* extra = nullptr;
@@ -121,12 +125,16 @@ class TransferEngine {
   // derive stream, to enqueue on that stream the work that derives the scratch from the bytes (a decode
   // kernel). That stream waits for the copy first; the copy's ready event follows the derivation, so a
   // lease's consumer that waits for the copy sees the scratch derived, while the next copy on H2D need not
-  // wait for it. Resident copies have no scratch and never call it. It runs under the engine's lock: it
+  // wait for it. For a resident layer it is called with the resident copy as `region` and a ring region of
+  // `device_extra` bytes as `scratch` (see "Derived data"). It runs under the engine's lock: it
   // may enqueue work (launches, Backend::launch_host_func) but must not wait or call the engine.
   using FillHook = std::function<void(void* region, void* scratch, StreamHandle stream)>;
   LayerId add_external_layer(const HostBlock& block, std::size_t device_extra = 0, FillHook on_fill = {});
   // Bytes a layer takes in the ring: its packed bytes, plus its scratch at the ring's alignment.
   std::size_t device_bytes(LayerId layer) const;
+  // The ring bytes a prefetcher counts for the layer: device_bytes(), except for a resident layer with a fill
+  // hook, whose prefetch places only its scratch (see "Derived data").
+  std::size_t prefetch_bytes(LayerId layer) const;
   // Forgets a layer: waits for copies reading its host bytes, drops its ring region and its resident copy,
   // frees its block. Returns the resident bytes it gave back (0: it was not resident). Throws
   // InvalidArgument while a lease on it is outstanding.
@@ -187,6 +195,10 @@ class TransferEngine {
     std::uint64_t fill = 0;          // the copy that filled the ring region (Lease::fill)
     std::uint64_t resident_fill = 0;
     bool prefetched_unused = false;
+    // With a resident copy and a fill hook: `region` holds only the scratch derived from the resident copy
+    // (`extra` bytes from its start), derived from the copy `derived_from` names (its resident_fill).
+    bool scratch_only = false;
+    std::uint64_t derived_from = 0;
     // Residency: a device copy of its own, never evicted by the ring.
     DeviceBuffer resident;
     bool resident_stale = false;  // host bytes changed since the resident copy was made
@@ -194,7 +206,8 @@ class TransferEngine {
   };
   struct Outstanding {
     LayerId layer;
-    RegionId region;  // 0 for a lease on a resident layer
+    RegionId region;  // 0 for a lease on a resident layer without a scratch region
+    bool resident = false;  // a lease on the resident copy: release records its reader
   };
 
   Layer& layer_locked(LayerId layer);
@@ -220,6 +233,11 @@ class TransferEngine {
   // recorded on H2D again.
   void wait_derivation_on_h2d_locked(Layer& layer);
   void drop_resident_locked(Layer& layer);
+  // A resident layer with a fill hook: its scratch derived into a ring region of its own, placed held (a
+  // fetch) or unheld (a prefetch; false when the ring has no room now). The region is kept while current.
+  bool derive_resident_locked(LayerId id, Layer& layer, bool held);
+  // Whether the layer's scratch region holds what the hook derived from its current resident copy.
+  bool resident_scratch_current_locked(const Layer& layer) const;
   void discard_region_locked(Layer& layer);
 
   Backend& backend_;

@@ -111,7 +111,14 @@ std::size_t TransferEngine::device_bytes(LayerId id) const {
   return footprint(layer_locked(id));
 }
 
+std::size_t TransferEngine::prefetch_bytes(LayerId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Layer& layer = layer_locked(id);
+  return layer.resident.data() != nullptr && layer.on_fill ? layer.extra : footprint(layer);
+}
+
 void TransferEngine::discard_region_locked(Layer& layer) {
+  layer.scratch_only = false;
   if (layer.region == 0) return;
   if (ring_.live(layer.region)) {
     Eviction eviction;
@@ -229,8 +236,25 @@ Lease TransferEngine::fetch(LayerId id) {
     ++stats_.resident_hits;
     lease.data = layer.resident.data();
     lease.fill = layer.resident_fill;
+    RegionId scratch = 0;
+    if (layer.on_fill && layer.extra != 0) {
+      // Its scratch: derived ahead (a prefetch), still in the ring from an earlier use, or derived now.
+      if (resident_scratch_current_locked(layer)) {
+        ring_.hold(layer.region);
+        if (layer.prefetched_unused) ++stats_.prefetch_hits;
+        scratch = layer.region;
+      } else if (derive_resident_locked(id, layer, /*held=*/true)) {
+        scratch = layer.region;
+      }
+      layer.prefetched_unused = false;
+    }
+    if (scratch != 0) {
+      lease.extra = ring_.info(scratch).data;
+      lease.extra_bytes = layer.extra;
+      lease.fill = layer.fill;
+    }
     lease.ticket = next_ticket_++;
-    leases_.emplace(lease.ticket, Outstanding{id, 0});
+    leases_.emplace(lease.ticket, Outstanding{id, scratch, /*resident=*/true});
     ++layer.leases;
     return lease;
   }
@@ -260,7 +284,14 @@ Lease TransferEngine::fetch(LayerId id) {
 bool TransferEngine::prefetch(LayerId id) {
   std::lock_guard<std::mutex> lock(mu_);
   Layer& layer = layer_locked(id);
-  if (layer.resident.data() != nullptr || (layer.region != 0 && ring_.live(layer.region))) return false;
+  if (layer.resident.data() != nullptr) {
+    if (!layer.on_fill || layer.extra == 0 || resident_scratch_current_locked(layer)) return false;
+    if (!derive_resident_locked(id, layer, /*held=*/false)) return false;
+    layer.prefetched_unused = true;
+    ++stats_.prefetches;
+    return true;
+  }
+  if (layer.region != 0 && ring_.live(layer.region)) return false;
   Eviction eviction;
   const RegionId region = ring_.try_place_unheld(footprint(layer), id, eviction);
   if (region == 0) return false;  // held regions leave no room now; the fetch will copy on demand
@@ -288,6 +319,7 @@ void TransferEngine::settle_eviction_locked(Eviction& eviction) {
     auto it = layers_.find(owner);
     if (it == layers_.end()) continue;
     it->second.region = 0;
+    it->second.scratch_only = false;
     // A derivation (fill hook) may still read the region and write its scratch, with no reader yet to
     // wait for (a prefetch never used): the next write waits for it.
     wait_derivation_on_h2d_locked(it->second);
@@ -412,7 +444,7 @@ void* TransferEngine::device_data(const Lease& lease) const {
   auto it = leases_.find(lease.ticket);
   LS_CHECK_ARG(it != leases_.end(), "use after release: lease ", lease.ticket, " of layer ",
                lease.layer, " was already released; fetch the layer again");
-  return it->second.region == 0 ? lease.data : ring_.info(it->second.region).data;
+  return it->second.resident || it->second.region == 0 ? lease.data : ring_.info(it->second.region).data;
 }
 
 void TransferEngine::release(const Lease& lease, StreamHandle consumer) {
@@ -422,9 +454,8 @@ void TransferEngine::release(const Lease& lease, StreamHandle consumer) {
                " was already released (or never fetched)");
   LS_CHECK_ARG(consumer, "release: null consumer stream");
   auto layer = layers_.find(it->second.layer);
-  if (it->second.region != 0) {
-    ring_.release(it->second.region, consumer);
-  } else if (layer != layers_.end()) {
+  if (it->second.region != 0) ring_.release(it->second.region, consumer);
+  if (it->second.resident && layer != layers_.end()) {
     // A resident layer: remember this reader, so that a recopy or a free waits for it.
     layer->second.resident_released.record(consumer, events_);
   }

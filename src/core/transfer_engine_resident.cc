@@ -81,8 +81,47 @@ bool TransferEngine::resident(LayerId id) const {
   return layer_locked(id).resident.data() != nullptr;
 }
 
+bool TransferEngine::resident_scratch_current_locked(const Layer& layer) const {
+  return layer.scratch_only && layer.region != 0 && ring_.live(layer.region) && !layer.resident_stale &&
+         layer.derived_from == layer.resident_fill;
+}
+
+bool TransferEngine::derive_resident_locked(LayerId id, Layer& layer, bool held) {
+  if (layer.region != 0 && ring_.live(layer.region)) {
+    // A ring copy from before the layer became resident, or an outdated scratch: replaced only when no
+    // lease reads it (a held region stays; the reader then decodes on its own, as without a region).
+    if (!layer.scratch_only || layer.leases != 0) return false;
+    discard_region_locked(layer);
+  }
+  Eviction eviction;
+  // Unheld placement never throws for want of room: with none, the reader decodes on its own.
+  const RegionId region = ring_.try_place_unheld(layer.extra, id, eviction);
+  if (region == 0) return false;
+  if (held) ring_.hold(region);
+  layer.region = region;
+  layer.scratch_only = true;
+  bool deriving = false;
+  try {
+    // H2D waits for the readers of what the placement displaced; the derivation waits for H2D there, which
+    // also orders it after every copy into the resident buffer.
+    settle_eviction_locked(eviction);
+    layer.landed.record(h2d_.get());
+    backend_.stream_wait_event(derive_.get(), layer.landed.get());
+    deriving = true;
+    layer.on_fill(layer.resident.data(), ring_.info(region).data, derive_.get());
+    layer.copied.record(derive_.get());
+  } catch (...) {
+    abandon_region_locked(layer, held, deriving);
+    throw;
+  }
+  layer.fill = detail::next_fill();
+  layer.derived_from = layer.resident_fill;
+  return true;
+}
+
 void TransferEngine::drop_resident_locked(Layer& layer) {
   if (layer.resident.data() == nullptr) return;
+  if (layer.scratch_only) discard_region_locked(layer);  // derived from the copy that goes: never a ring copy
   // The memory may go straight back to an allocator that does not synchronize: wait for every reader
   // and for the copies into it first.
   layer.resident_released.synchronize();

@@ -302,6 +302,8 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // A layer's packed bytes, or with in_ring what it takes in the ring (its scratch too); nullopt: removed
   // from the engine.
   std::optional<std::size_t> layer_bytes_locked(LayerId layer, bool in_ring) const;
+  // What the prefetcher counts for the layer in the ring (TransferEngine::prefetch_bytes); none once it is gone.
+  std::optional<std::size_t> prefetch_bytes_locked(LayerId layer) const;
 };
 
 }  // namespace layerstream::torchglue

@@ -184,7 +184,7 @@ std::string DeviceState::prefetch_locked(LayerId layer, bool training) {
   std::size_t planned = 0;
   for (LayerId next : prefetch_.predictor.predict(prefetch_.lookahead_layers)) {
     if (next == layer || prefetch_.fresh_each_use.count(next) != 0) continue;
-    const std::optional<std::size_t> bytes = layer_bytes_locked(next, /*in_ring=*/true);
+    const std::optional<std::size_t> bytes = prefetch_bytes_locked(next);
     if (!bytes) break;  // that layer is gone (freed model): the prediction is stale
     planned += *bytes;
     if (planned > budget) break;
@@ -227,6 +227,14 @@ void DeviceState::consider_residency(TransferEngine& engine, LayerId layer, std:
 std::optional<std::size_t> DeviceState::layer_bytes_locked(LayerId layer, bool in_ring) const {
   try {
     return in_ring ? engine_->device_bytes(layer) : engine_->host_block(layer).bytes;
+  } catch (const InvalidArgument&) {
+    return std::nullopt;  // no longer in the engine (its model was freed)
+  }
+}
+
+std::optional<std::size_t> DeviceState::prefetch_bytes_locked(LayerId layer) const {
+  try {
+    return engine_->prefetch_bytes(layer);
   } catch (const InvalidArgument&) {
     return std::nullopt;  // no longer in the engine (its model was freed)
   }

@@ -289,7 +289,7 @@ TEST_P(TransferEngineTest, ScratchFollowsTheLayerAndFillNamesTheCopy) {
 
 // A fill hook derives the scratch on the H2D stream after every copy into a ring region, before the copy's
 // ready event: a consumer that waits for the lease sees it. A reuse of the region does not call it again;
-// a new copy does; a resident copy (no scratch) never does.
+// a new copy does, and so does a resident copy's first use (below).
 TEST_P(TransferEngineTest, FillHookDerivesTheScratchBeforeTheLeaseIsReady) {
   TransferEngine engine(backend(), small_options(1 << 16));
   PinnedArena host(backend());
@@ -329,14 +329,111 @@ TEST_P(TransferEngineTest, FillHookDerivesTheScratchBeforeTheLeaseIsReady) {
   EXPECT_EQ(calls, 2);
   EXPECT_EQ(last_scratch, later.extra);
 
-  ASSERT_TRUE(engine.make_resident(a));
+  ASSERT_TRUE(engine.make_resident(a));  // its scratch is derived from the resident copy, in a region of its own
   Lease resident;
   use(engine, a, &resident);
-  EXPECT_EQ(resident.extra, nullptr);
-  EXPECT_EQ(calls, 2);
+  ASSERT_NE(resident.extra, nullptr);
+  EXPECT_EQ(calls, 3);
+  EXPECT_EQ(last_region, resident.data);
+  EXPECT_EQ(last_scratch, resident.extra);
 
   // A hook derives scratch: a layer with none cannot have one.
   EXPECT_THROW(engine.add_external_layer(external(100, 3), 0, [](void*, void*, StreamHandle) {}), InvalidArgument);
+}
+
+// A resident layer with a fill hook: the hook derives its scratch from the resident copy into a ring region
+// of the scratch's size, ahead of use when the layer is prefetched (a packed weight decoded beside the
+// compute), and the lease hands out the resident bytes with that scratch. The region is kept while current;
+// after the ring takes it, a fetch derives again; after a host write, the recopy is derived again; where the
+// ring has no room, the lease has no scratch (the reader derives on its own) and nothing fails; given back,
+// the layer streams with the scratch after its bytes again. The race checker sees every order.
+TEST_P(TransferEngineTest, AResidentLayersScratchIsDerivedFromItsResidentCopyAheadOfUse) {
+  const std::size_t ring = 1 << 16;
+  TransferEngine engine(backend(), small_options(ring));
+  PinnedArena host(backend());
+  PinnedBuffer derived(backend(), 3000, PinMethod::kHostAlloc);
+  int calls = 0;
+  void* last_region = nullptr;
+  void* last_scratch = nullptr;
+  const HostBlock block = filled_block(host, 1000, 1);
+  auto bytes_of = [&] {
+    return std::vector<unsigned char>(static_cast<unsigned char*>(block.data),
+                                      static_cast<unsigned char*>(block.data) + 1000);
+  };
+  const LayerId a = engine.add_external_layer(block, 3000, [&](void* region, void* scratch, StreamHandle stream) {
+    ++calls;
+    last_region = region;
+    last_scratch = scratch;
+    backend().annotate_stream_access(stream, region, 1000, false);
+    backend().memcpy_h2d_async(scratch, derived.data(), 3000, stream);
+  });
+  const LayerId whole = engine.add_external_layer(filled_block(host, ring, 2));  // takes the whole ring
+  std::memset(derived.data(), 0x3C, 3000);
+  const std::vector<unsigned char> first_derivation(3000, 0x3C);
+  ASSERT_TRUE(engine.make_resident(a));
+  EXPECT_EQ(engine.prefetch_bytes(a), 3000u);
+  EXPECT_EQ(engine.prefetch_bytes(whole), ring);
+
+  const std::uint64_t prefetches = engine.stats().prefetches;
+  EXPECT_TRUE(engine.prefetch(a));  // derived ahead
+  EXPECT_EQ(calls, 1);
+  EXPECT_FALSE(engine.prefetch(a));  // still current
+  EXPECT_EQ(engine.stats().prefetches, prefetches + 1);
+  Lease l = engine.fetch(a);
+  engine.wait_ready(l, compute_.get());
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(last_region, l.data);
+  ASSERT_NE(l.extra, nullptr);
+  EXPECT_EQ(last_scratch, l.extra);
+  EXPECT_EQ(l.extra_bytes, 3000u);
+  EXPECT_EQ(engine.device_data(l), l.data);  // the resident copy, not the scratch region
+  EXPECT_EQ(read_back(l.data, 1000, compute_.get()), bytes_of());
+  EXPECT_EQ(read_back(l.extra, 3000, compute_.get()), first_derivation);
+  engine.release(l, compute_.get());
+  EXPECT_EQ(engine.stats().prefetch_hits, 1u);
+  Lease again;
+  use(engine, a, &again);  // the region is still there: nothing derived again
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(again.extra, l.extra);
+  EXPECT_EQ(again.fill, l.fill);
+
+  Lease held = engine.fetch(whole);  // the ring takes the scratch region and is then wholly held
+  engine.wait_ready(held, compute_.get());
+  Lease without;
+  EXPECT_EQ(use(engine, a, &without), bytes_of());  // no room: the resident bytes without scratch
+  EXPECT_EQ(without.extra, nullptr);
+  EXPECT_EQ(calls, 1);
+  engine.release(held, compute_.get());
+
+  std::memset(derived.data(), 0x4B, 3000);
+  Lease rederived;
+  use(engine, a, &rederived);  // room again: derived at the fetch
+  EXPECT_EQ(calls, 2);
+  EXPECT_EQ(read_back(rederived.extra, 3000, compute_.get()), std::vector<unsigned char>(3000, 0x4B));
+
+  engine.begin_host_write(a);  // new host bytes: recopied into the resident memory and derived again
+  std::memset(block.data, 0x21, 1000);
+  std::memset(derived.data(), 0x5D, 3000);
+  Lease fresh;
+  EXPECT_EQ(use(engine, a, &fresh), bytes_of());
+  EXPECT_TRUE(fresh.copied);
+  EXPECT_EQ(calls, 3);
+  EXPECT_EQ(read_back(fresh.extra, 3000, compute_.get()), std::vector<unsigned char>(3000, 0x5D));
+
+  engine.evict_resident(a);  // streams again: bytes and scratch in one region
+  Lease streamed;
+  EXPECT_EQ(use(engine, a, &streamed), bytes_of());
+  EXPECT_TRUE(streamed.copied);
+  EXPECT_EQ(calls, 4);
+  EXPECT_EQ(static_cast<char*>(streamed.extra), static_cast<char*>(streamed.data) + 1024);
+  EXPECT_EQ(engine.prefetch_bytes(a), 1024u + 3000u);
+  EXPECT_EQ(engine.stats().leases_outstanding, 0u);
+  engine.remove_layer(a), engine.remove_layer(whole);
+  if (auto* sim = dynamic_cast<SimBackend*>(&backend())) {
+    sim->synchronize_all();
+    EXPECT_EQ(sim->violation_count(), 0u);
+    for (const std::string& v : sim->violations()) ADD_FAILURE() << v;
+  }
 }
 
 // A fill hook that throws (the decode kernel failed to launch) after its region was placed and copied

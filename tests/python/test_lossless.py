@@ -288,3 +288,42 @@ def test_fuzz_lossless_layers_under_delays_and_scrambled_copies(engine, device, 
     stats = mm._DEVICE_STATE[torch.device(device)].stats()
     assert stats["sim_races"] == 0
     assert stats["dequant_on_copy"] > 0
+
+
+def test_resident_packed_layers_are_decoded_ahead_of_use_and_change_no_bit(engine, device, monkeypatch):
+    """Layers kept resident (LAYERSTREAM_RESIDENT_MB) stay packed on the device; each use finds its weight decoded
+    by the engine's stream into a ring region of its own (the prefetcher names the next layer), never on the compute
+    stream into memory of its own. Outputs and gradients over several steps are bitwise the unmanaged model's, and
+    the race checker sees every order (the decode reads the resident copy and writes the ring)."""
+    if engine == "cpu":
+        pytest.skip("a CPU process device has no copies to decode")
+    monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "lossless")
+    monkeypatch.setenv("LAYERSTREAM_VRAM_BUDGET", "min")
+    monkeypatch.setenv("LAYERSTREAM_RESIDENT_MB", "64")
+    clear_device_states()
+    torch.manual_seed(31)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).to(torch.bfloat16)
+    for layer in model:
+        _spread(layer.weight)
+        layer.weight.requires_grad_(False)  # frozen weights, trainable biases
+    reference = copy.deepcopy(model).to(device)
+    for layer in model:
+        mm.LinearLayerMemoryManager.attach(layer, Manager(device))
+    for step in range(3):
+        x = torch.randn(8, 256, dtype=torch.bfloat16, device=device, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        out, ref = model(x), reference(xr)
+        assert torch.equal(out, ref), f"step {step}"
+        out.float().square().sum().backward()
+        ref.float().square().sum().backward()
+        mm.sync_grad_transfers()
+        assert torch.equal(x.grad, xr.grad), f"step {step}"
+        for got, want in zip(model, reference):
+            assert torch.equal(got.bias.grad.to(device), want.bias.grad), f"step {step}"
+            got.bias.grad = None
+            want.bias.grad = None
+    stats = mm._DEVICE_STATE[torch.device(device)].stats()
+    assert stats["resident_layers"] == 4
+    assert stats["dequant_own_memory"] == 0
+    assert stats["dequant_on_copy"] >= 3 * 4 * 2  # every forward and every backward of every step
+    assert stats.get("sim_races", 0) == 0
