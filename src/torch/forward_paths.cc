@@ -4,6 +4,8 @@
 
 #include <optional>
 #include <string>
+#include <utility>
+#include <variant>
 
 #include "layer_kinds.h"
 #include "layerstream/check.h"
@@ -150,40 +152,50 @@ void leave_to_holder(const py::object& module, LayerManager& core, const std::st
                "puts it (the generic path: not streamed, no host copy of their own)");
 }
 
-// One call of a managed layer on its path; a layer whose weight changed kind is attached again first.
-py::object call_path(const py::object& module, const py::object& mgr, LayerManager& core, const py::object& x,
-                     const std::shared_ptr<DeviceState>& state, bool conv) {
-  for (int attempt = 0;; ++attempt) {
-    // What a call does follows from what the stored form puts in the arena (none before attach: plain).
-    switch (core.form == nullptr ? ArenaParts::kWeightBias : core.form->parts) {
-      case ArenaParts::kModuleTensors:
-        return module_tensors_forward(module, core, mgr.attr("_original_forward"), x, state);
-      case ArenaParts::kNone:
-        return generic_forward(module, x, conv, state);
-      case ArenaParts::kCodesScaleBias:
-        if (std::optional<py::object> out = quantized_forward(module, core, x, conv, state)) return *out;
-        break;
-      case ArenaParts::kWeightBias: {
-        const py::object weight_obj = param_of(module, "weight");
-        if (!has_plain_type(weight_obj)) break;
-        if (is_packed_weight(weight_obj)) return streamed_forward(module, *core.layer, weight_obj, x);
-        // Storage that moved since the last call is packed again by the forward, unless an unmanaged module
-        // holds the weight.
-        if (weight_obj.cast<at::Tensor>().data_ptr() != core.packed_data) {
-          const py::object holder = unmanaged_holder(module, mgr, weight_obj);
-          if (!holder.is_none()) {
-            leave_to_holder(module, core, holder.cast<std::string>());
-            continue;
-          }
-        }
-        py::object out = streamed_forward(module, *core.layer, weight_obj, x);
-        if (!is_packed_weight(weight_obj)) core.packed_data = weight_obj.cast<at::Tensor>().data_ptr();
-        return out;
-      }
+// What one call on a path came to: the layer's output; or AttachAgain, the weight is no longer of a kind the
+// path takes (the layer is attached again, once); or CallAgain, the layer left for another path (core.form
+// changed) that the call then takes.
+struct AttachAgain {};
+struct CallAgain {};
+using PathCall = std::variant<py::object, AttachAgain, CallAgain>;
+
+// What a call on a path is given: the installed forward's arguments.
+struct CallArgs {
+  const py::object& module;
+  const py::object& mgr;
+  LayerManager& core;
+  const py::object& x;
+  const std::shared_ptr<DeviceState>& state;
+  bool conv;
+};
+
+PathCall call_module_tensors(const CallArgs& a) {
+  return module_tensors_forward(a.module, a.core, a.mgr.attr("_original_forward"), a.x, a.state);
+}
+
+PathCall call_generic(const CallArgs& a) { return generic_forward(a.module, a.x, a.conv, a.state); }
+
+PathCall call_quantized(const CallArgs& a) {
+  if (std::optional<py::object> out = quantized_forward(a.module, a.core, a.x, a.conv, a.state)) return std::move(*out);
+  return AttachAgain{};
+}
+
+PathCall call_streamed(const CallArgs& a) {
+  const py::object weight_obj = param_of(a.module, "weight");
+  if (!has_plain_type(weight_obj)) return AttachAgain{};
+  if (is_packed_weight(weight_obj)) return streamed_forward(a.module, *a.core.layer, weight_obj, a.x);
+  // Storage that moved since the last call is packed again by the forward, unless an unmanaged module holds
+  // the weight.
+  if (weight_obj.cast<at::Tensor>().data_ptr() != a.core.packed_data) {
+    const py::object holder = unmanaged_holder(a.module, a.mgr, weight_obj);
+    if (!holder.is_none()) {
+      leave_to_holder(a.module, a.core, holder.cast<std::string>());
+      return CallAgain{};
     }
-    LS_CHECK(attempt == 0, "layerstream: a layer attached again for its weight's kind still finds it of another kind");
-    attach_again(module, core, state, conv);
   }
+  py::object out = streamed_forward(a.module, *a.core.layer, weight_obj, a.x);
+  if (!is_packed_weight(weight_obj)) a.core.packed_data = weight_obj.cast<at::Tensor>().data_ptr();
+  return out;
 }
 
 void refuse_meta_weights(const py::object& module, const py::object& weight, const py::object& bias) {
@@ -260,8 +272,21 @@ void attach_plain(const py::object& module, LayerManager& core, const std::share
   if (!is_packed_weight(weight)) core.packed_data = weight.cast<at::Tensor>().data_ptr();
 }
 
+// A library-quantized weight's codes and scale (and the bias) packed into the arena as stored.
+void attach_quantized(const py::object& module, LayerManager& core, const std::shared_ptr<DeviceState>& state,
+                      bool conv) {
+  core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,
+                                                  conv ? conv_params_of(module) : ConvParams{});
+  pack_quantized(module, core);
+}
+
+// The tensors the module's own forward reads, packed as stored (module_tensors.h).
+void attach_tensors(const py::object& module, LayerManager& core, const std::shared_ptr<DeviceState>& state, bool) {
+  attach_module_tensors(module, core, state);
+}
+
 // Nothing streamed: the weights go to the host, and each call moves them as stored.
-void attach_generic(const py::object& module) {
+void attach_generic(const py::object& module, LayerManager&, const std::shared_ptr<DeviceState>&, bool) {
   py::object weight = py::dict(module.attr("_parameters")).attr("get")("weight");
   const bool empty = weight.is_none() || weight.attr("numel")().cast<std::int64_t>() == 0;
   if (!empty && !is_plain(weight)) {
@@ -274,6 +299,42 @@ void attach_generic(const py::object& module) {
   move_params_to_cpu(module);
 }
 
+// What the form's arena parts decide, one row each: what packs the layer at attach, and what runs its calls.
+struct PartsPath {
+  ArenaParts parts;
+  void (*attach)(const py::object& module, LayerManager& core, const std::shared_ptr<DeviceState>& state,
+                 bool conv);
+  PathCall (*call)(const CallArgs& args);
+};
+
+constexpr PartsPath kPartsPaths[] = {
+    {ArenaParts::kWeightBias, attach_plain, call_streamed},
+    {ArenaParts::kCodesScaleBias, attach_quantized, call_quantized},
+    {ArenaParts::kModuleTensors, attach_tensors, call_module_tensors},
+    {ArenaParts::kNone, attach_generic, call_generic},
+};
+
+const PartsPath& parts_path(ArenaParts parts) {
+  for (const PartsPath& row : kPartsPaths) {
+    if (row.parts == parts) return row;
+  }
+  LS_FAIL("internal: no path for arena parts ", static_cast<int>(parts));
+}
+
+// One call of a managed layer on its path; a layer whose weight changed kind is attached again first.
+py::object call_path(const py::object& module, const py::object& mgr, LayerManager& core, const py::object& x,
+                     const std::shared_ptr<DeviceState>& state, bool conv) {
+  for (int attempt = 0;; ++attempt) {
+    // What a call does follows from what the stored form puts in the arena (none before attach: plain).
+    const ArenaParts parts = core.form == nullptr ? ArenaParts::kWeightBias : core.form->parts;
+    PathCall call = parts_path(parts).call(CallArgs{module, mgr, core, x, state, conv});
+    if (py::object* out = std::get_if<py::object>(&call)) return std::move(*out);
+    if (std::holds_alternative<CallAgain>(call)) continue;
+    LS_CHECK(attempt == 0, "layerstream: a layer attached again for its weight's kind still finds it of another kind");
+    attach_again(module, core, state, conv);
+  }
+}
+
 }  // namespace
 
 void attach_form(const py::object& module, LayerManager& core, const std::shared_ptr<DeviceState>& state, bool conv,
@@ -282,16 +343,7 @@ void attach_form(const py::object& module, LayerManager& core, const std::shared
   core.slots_of = recognised.slots_of;
   core.after_pack = recognised.after_pack;
   core.cpu_state = state->mode() == Mode::kCpu;
-  switch (core.form->parts) {
-    case ArenaParts::kWeightBias: attach_plain(module, core, state, conv); break;
-    case ArenaParts::kCodesScaleBias:
-      core.layer = c10::make_intrusive<StreamedLayer>(state, conv ? LayerKind::kConv2d : LayerKind::kLinear,
-                                                      conv ? conv_params_of(module) : ConvParams{});
-      pack_quantized(module, core);
-      break;
-    case ArenaParts::kModuleTensors: attach_module_tensors(module, core, state); break;
-    case ArenaParts::kNone: attach_generic(module); break;
-  }
+  parts_path(core.form->parts).attach(module, core, state, conv);
 }
 
 void attach_weighted(const py::object& module, LayerManager& core, const std::shared_ptr<DeviceState>& state,
