@@ -107,12 +107,10 @@ void bind_layer_managers(py::module_& m) {
           "form",
           [](const LayerManager& m) -> py::object {
             if (m.form == nullptr) return py::none();
-            // A plain weight may be kept compressed by LAYERSTREAM_HOST_DTYPE (StreamedLayer::pack decides).
-            if (m.form->parts == ArenaParts::kWeightBias && m.layer && m.layer->quantized()) {
-              const bool lossless = m.layer->stored_as().rfind("lossless", 0) == 0;
-              return py::str(std::string(stored_form(lossless ? "lossless-bf16" : "float8-host").name));
-            }
-            return py::str(std::string(m.form->name));
+            // A plain weight may be kept compressed by LAYERSTREAM_HOST_DTYPE: the form pack() gave it.
+            const StoredForm* stored =
+                m.form->parts == ArenaParts::kWeightBias && m.layer ? m.layer->weight_form() : nullptr;
+            return py::str(std::string((stored != nullptr ? stored : m.form)->name));
           },
           "The weight's stored form (layerstream/stored_form.h): plain, lossless-bf16, quanto-qbytes, bnb-4bit, ...")
       .def_property_readonly(

@@ -179,12 +179,14 @@ std::shared_ptr<HostBlockRef> StreamedLayer::new_block(const std::vector<std::pa
   return block;
 }
 
-void StreamedLayer::install(std::shared_ptr<HostBlockRef> block, Packed w, Packed b, std::optional<QuantParts> q) {
+void StreamedLayer::install(std::shared_ptr<HostBlockRef> block, const StoredForm* form, Packed w, Packed b,
+                            std::optional<QuantParts> q) {
   if (TransferEngine* engine = engine_if_registered()) engine->remove_layer(id_);
   id_ = 0;
   generation_ = 0;
   block_ = std::move(block);
   block_account_ = std::move(new_account_);
+  weight_form_ = form;
   weight_ = std::move(w);
   bias_ = std::move(b);
   quant_ = std::move(q);

@@ -28,6 +28,7 @@
 #include "device_state.h"
 #include "layerstream/dequant.h"
 #include "layerstream/lossless.h"
+#include "layerstream/stored_form.h"
 
 namespace layerstream::torchglue {
 
@@ -230,7 +231,10 @@ class StreamedLayer : public torch::CustomClassHolder {
   // Whether LAYERSTREAM_HOST_DTYPE=lossless takes this layer's weight when it is frozen.
   bool lossless_takes_weight() const { return lossless_takes_; }
 
-  bool quantized() const { return quant_.has_value(); }
+  // The stored form pack() gave the weight: plain, or float8-host or lossless-bf16 where LAYERSTREAM_HOST_DTYPE
+  // takes a frozen weight (an entry of stored_forms()). nullptr for a layer packed by pack_quantized or
+  // pack_tensors, whose form is its recogniser's.
+  const StoredForm* weight_form() const { return weight_form_; }
   // Counts the packings (install()): a forward's graph remembers it, and its backward refuses to run
   // after the weights were packed again (replaced), when it would read the new ones.
   std::uint64_t packing() const { return packing_.load(std::memory_order_relaxed); }
@@ -253,7 +257,8 @@ class StreamedLayer : public torch::CustomClassHolder {
                                           const std::function<void(char*)>& encode = {});
   // Makes the new block current (the previous registration is left; its bytes stay valid until the
   // engine lets go of them). Caller holds mu_.
-  void install(std::shared_ptr<HostBlockRef> block, Packed w, Packed b, std::optional<QuantParts> q);
+  void install(std::shared_ptr<HostBlockRef> block, const StoredForm* form, Packed w, Packed b,
+               std::optional<QuantParts> q);
   at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, bool on_device) const;
   // The weight dequantized into the region's scratch (Lease::extra), or found there from an earlier use
   // of the same copy on the same stream; a use on another stream while it is there dequantizes into
@@ -302,6 +307,7 @@ class StreamedLayer : public torch::CustomClassHolder {
   std::shared_ptr<void> new_account_;    // new_block()'s, until install() takes it
   std::int64_t pageable_ = 0;            // the plain Parameter copy counted as pageable for this layer
   bool lossless_takes_ = false;
+  const StoredForm* weight_form_ = nullptr;  // weight_form()
   Packed weight_, bias_;
   std::optional<QuantParts> quant_;
   std::vector<Packed> tensors_;  // pack_tensors(): the layer's own tensors, in order

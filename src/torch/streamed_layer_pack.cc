@@ -9,6 +9,7 @@
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "layerstream/host_form.h"
 #include "layerstream/log.h"
 #include "layerstream/lossless.h"
+#include "layerstream/stored_form.h"
 #include "streamed_layer_internal.h"
 
 namespace layerstream::torchglue {
@@ -136,18 +138,18 @@ HostTakes host_takes(const at::Tensor& weight, const HostStorage& host, bool dec
   return takes;
 }
 
-// How pack() stores a weight in its block. `w` describes the weight's part (the values, the float8 codes or
-// the lossless bytes), `q` how a compressed one turns back into the weight.
+// How pack() stores a weight in its block. `form` is its entry in stored_forms() (plain, float8-host or
+// lossless-bf16), `w` describes the weight's part (the values, the float8 codes or the lossless bytes), `q` how
+// a compressed one turns back into the weight.
 struct StoredWeight {
-  enum class Form { kPlain, kFloat8, kLossless };
-  Form form = Form::kPlain;
+  const StoredForm* form = nullptr;
   Packed w;
   std::optional<StreamedLayer::QuantParts> q;
   at::Tensor source;  // what the weight's part is copied from: the values (plain), the codes (float8)
   at::Tensor scale;   // float8: the scale part's source
   at::Tensor exact;   // lossless: the values in ordinary host memory, contiguous: the encoder's input
   LosslessPackTimes times;
-  bool compressed() const { return form != Form::kPlain; }
+  bool compressed() const { return form->decode != DeviceDecode::kAsStored; }
 };
 
 StoredWeight plain_form(const at::Tensor& values, at::ScalarType dtype) {
@@ -161,7 +163,6 @@ StoredWeight plain_form(const at::Tensor& values, at::ScalarType dtype) {
 // Parameter keeps its exact values in ordinary (pageable) host memory, outside the arena.
 StoredWeight float8_form(const at::Tensor& values, at::ScalarType f8, at::ScalarType result) {
   StoredWeight s;
-  s.form = StoredWeight::Form::kFloat8;
   const at::Tensor wf = values.detach().to(at::kCPU).to(at::kFloat);
   std::vector<std::int64_t> rest;
   for (std::int64_t d = 1; d < wf.dim(); ++d) rest.push_back(d);
@@ -214,7 +215,6 @@ std::optional<StoredWeight> lossless_form(const at::Tensor& values, const at::Te
       lossless_plan(static_cast<const std::uint16_t*>(s.exact.data_ptr()), static_cast<std::size_t>(s.exact.numel()));
   s.times.table_s = seconds_since(t0);
   if (spec.bytes() >= s.exact.nbytes()) return std::nullopt;
-  s.form = StoredWeight::Form::kLossless;
   s.w.sizes = {static_cast<std::int64_t>(spec.bytes())};
   s.w.strides = {1};
   s.w.dtype = at::kByte;
@@ -231,15 +231,41 @@ std::optional<StoredWeight> lossless_form(const at::Tensor& values, const at::Te
   return s;
 }
 
-// The stored form of `weight` (exact values `values`): a compressed one for a frozen weight the setting takes.
-StoredWeight stored_form(const at::Tensor& values, const at::Tensor& weight, const HostStorage& host,
-                         HostTakes takes) {
-  const bool frozen = !weight.requires_grad();
-  if (takes.lossless && frozen) {
-    if (std::optional<StoredWeight> s = lossless_form(values, weight)) return std::move(*s);
+// The forms pack() may store a weight in, tried in this order: the first whose builder takes the weight stores
+// it. The compressed ones take a frozen weight LAYERSTREAM_HOST_DTYPE gives them (lossless only where the
+// packing is smaller); plain takes every weight.
+struct HostCodec {
+  std::string_view form;  // its entry in stored_forms()
+  std::optional<StoredWeight> (*build)(const at::Tensor& values, const at::Tensor& weight, const HostStorage& host,
+                                       HostTakes takes);
+};
+
+const HostCodec kHostCodecs[] = {
+    {"lossless-bf16",
+     [](const at::Tensor& values, const at::Tensor& weight, const HostStorage&, HostTakes takes) {
+       return takes.lossless && !weight.requires_grad() ? lossless_form(values, weight) : std::nullopt;
+     }},
+    {"float8-host",
+     [](const at::Tensor& values, const at::Tensor& weight, const HostStorage& host, HostTakes takes) {
+       if (!takes.float8 || weight.requires_grad()) return std::optional<StoredWeight>();
+       return std::optional<StoredWeight>(float8_form(values, *host.float8, weight.scalar_type()));
+     }},
+    {"plain",
+     [](const at::Tensor& values, const at::Tensor& weight, const HostStorage&, HostTakes) {
+       return std::optional<StoredWeight>(plain_form(values, weight.scalar_type()));
+     }},
+};
+
+// The stored form of `weight` (exact values `values`): the first of kHostCodecs that takes it.
+StoredWeight choose_stored_weight(const at::Tensor& values, const at::Tensor& weight, const HostStorage& host,
+                                  HostTakes takes) {
+  for (const HostCodec& codec : kHostCodecs) {
+    if (std::optional<StoredWeight> s = codec.build(values, weight, host, takes)) {
+      s->form = &stored_form(codec.form);
+      return std::move(*s);
+    }
   }
-  if (takes.float8 && frozen) return float8_form(values, *host.float8, weight.scalar_type());
-  return plain_form(values, weight.scalar_type());
+  LS_FAIL("internal: no host form took the weight");  // plain takes every one
 }
 
 // Swaps the Parameters' data for their views in the block (identity kept). A compressed weight's Parameter
@@ -289,11 +315,11 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias, bool 
   const bool decoder = host.lossless && (host.automatic || lossless_decoder_here());
   std::lock_guard<std::mutex> lock(mu_);
   const HostTakes takes = host_takes(weight, host, decoder);
-  StoredWeight stored = stored_form(values, weight, host, takes);
-  const bool lossless = stored.form == StoredWeight::Form::kLossless;
+  StoredWeight stored = choose_stored_weight(values, weight, host, takes);
+  const bool lossless = stored.form->decode == DeviceDecode::kLossless;
   Packed b;
   std::vector<std::pair<Packed*, at::Tensor>> parts{{&stored.w, lossless ? stored.exact : stored.source}};
-  if (stored.form == StoredWeight::Form::kFloat8) parts.push_back({&stored.q->scale, stored.scale});
+  if (stored.form->parts == ArenaParts::kCodesScaleBias) parts.push_back({&stored.q->scale, stored.scale});
   if (bias.defined()) {
     b = describe(bias, layout_of(bias), bias.scalar_type());
     parts.push_back({&b, bias});
@@ -319,7 +345,7 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias, bool 
   // Then remember what the Parameters must look like.
   remember_identity(stored.w, weight);
   if (b.defined) remember_identity(b, bias);
-  install(std::move(block), std::move(stored.w), std::move(b), std::move(stored.q));
+  install(std::move(block), stored.form, std::move(stored.w), std::move(b), std::move(stored.q));
   weight_tied_ = tied;
   // Whether a use with the weight frozen should pack it again: not for weights the setting does not take,
   // nor for one lossless packing would not shrink (each use would pack it again, for nothing).
@@ -385,7 +411,7 @@ std::array<at::Tensor, 2> StreamedLayer::pack_quantized(const at::Tensor& codes,
     remember_identity(b, bias);
   }
   remember_identity(w, views[0]);  // the caller puts this very tensor into the weight object
-  install(std::move(block), std::move(w), std::move(b), std::move(q));
+  install(std::move(block), nullptr, std::move(w), std::move(b), std::move(q));
   return {views[0], views[1]};
 }
 
@@ -405,7 +431,7 @@ std::vector<at::Tensor> StreamedLayer::pack_tensors(const std::vector<at::Tensor
   std::vector<at::Tensor> views;
   auto block = new_block(parts, views, shareable);
   for (std::size_t i = 0; i < views.size(); ++i) remember_identity(packed[i], views[i]);
-  install(std::move(block), Packed{}, Packed{}, std::nullopt);
+  install(std::move(block), nullptr, Packed{}, Packed{}, std::nullopt);
   tensors_ = std::move(packed);
   return views;
 }
