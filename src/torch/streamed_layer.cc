@@ -66,8 +66,8 @@ HostMemoryCounts host_memory_counts() {
 }
 
 void StreamedLayer::count_pageable_locked(std::int64_t bytes) {
-  g_pageable += bytes - pageable_;
-  pageable_ = bytes;
+  g_pageable += bytes - block_.pageable;
+  block_.pageable = bytes;
 }
 
 StreamedLayer::StreamedLayer(std::shared_ptr<DeviceState> state, LayerKind kind, ConvParams conv)
@@ -78,7 +78,7 @@ StreamedLayer::~StreamedLayer() {
   if (TransferEngine* engine = engine_if_registered()) {
     try {
       // Its model is gone (freed, or detached): memory the budget's plan kept for it is free for the others.
-      if (const std::size_t resident = engine->remove_layer(id_)) state_->note_resident_layer_gone(resident);
+      if (const std::size_t resident = engine->remove_layer(registered_.id)) state_->note_resident_layer_gone(resident);
     } catch (const std::exception& e) {
       log(LogLevel::kWarning, std::string("unregistering a layer failed: ") + e.what());
     }
@@ -86,11 +86,11 @@ StreamedLayer::~StreamedLayer() {
 }
 
 TransferEngine* StreamedLayer::engine_if_registered() {
-  if (id_ == 0 || generation_ != state_->generation()) return nullptr;
+  if (registered_.id == 0 || registered_.generation != state_->generation()) return nullptr;
   return state_->current_engine();
 }
 
-std::size_t StreamedLayer::packed_bytes() const { return block_ ? block_->block().bytes : 0; }
+std::size_t StreamedLayer::packed_bytes() const { return block_.ref ? block_.ref->block().bytes : 0; }
 
 bool StreamedLayer::matches(const Packed& p, const at::Tensor& t) {
   if (!p.defined) return !t.defined();
@@ -175,87 +175,87 @@ std::shared_ptr<HostBlockRef> StreamedLayer::new_block(const std::vector<std::pa
     auto keep = account;
     views.push_back(view_of(block->data(), *p, at::kCPU, [keep](void*) {}));
   }
-  new_account_ = std::move(account);
+  block_.new_account = std::move(account);
   return block;
 }
 
 void StreamedLayer::install(std::shared_ptr<HostBlockRef> block, const StoredForm* form, Packed w, Packed b,
                             std::optional<QuantParts> q) {
-  if (TransferEngine* engine = engine_if_registered()) engine->remove_layer(id_);
-  id_ = 0;
-  generation_ = 0;
-  block_ = std::move(block);
-  block_account_ = std::move(new_account_);
-  weight_form_ = form;
-  weight_ = std::move(w);
-  bias_ = std::move(b);
-  quant_ = std::move(q);
+  if (TransferEngine* engine = engine_if_registered()) engine->remove_layer(registered_.id);
+  registered_.id = 0;
+  registered_.generation = 0;
+  block_.ref = std::move(block);
+  block_.account = std::move(block_.new_account);
+  packed_.weight_form = form;
+  packed_.weight = std::move(w);
+  packed_.bias = std::move(b);
+  packed_.quant = std::move(q);
   packing_.fetch_add(1, std::memory_order_relaxed);
-  scratch_ = scratch_bytes_locked();  // once per packing, not per call
+  registered_.scratch = scratch_bytes_locked();  // once per packing, not per call
   // The first ring is sized for the largest layer, its scratch included.
-  state_->note_attached(device_bytes(block_->block().bytes, scratch_));
+  state_->note_attached(device_bytes(block_.ref->block().bytes, registered_.scratch));
 }
 
 TransferEngine& StreamedLayer::registered_engine() {
   std::lock_guard<std::mutex> lock(mu_);
-  TransferEngine& engine = state_->engine_for(device_bytes(block_->block().bytes, scratch_));
-  if (id_ == 0 || generation_ != state_->generation()) {
-    id_ = engine.add_external_layer(block_->block(), scratch_, fill_hook_locked());
-    generation_ = state_->generation();
-    state_->consider_residency(engine, id_, block_->block().bytes);
+  TransferEngine& engine = state_->engine_for(device_bytes(block_.ref->block().bytes, registered_.scratch));
+  if (registered_.id == 0 || registered_.generation != state_->generation()) {
+    registered_.id = engine.add_external_layer(block_.ref->block(), registered_.scratch, fill_hook_locked());
+    registered_.generation = state_->generation();
+    state_->consider_residency(engine, registered_.id, block_.ref->block().bytes);
   }
   return engine;
 }
 
 bool StreamedLayer::tensors_current(const std::vector<at::Tensor>& tensors) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (tensors.size() != tensors_.size()) return false;
+  if (tensors.size() != packed_.tensors.size()) return false;
   bool modified = false;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    if (!matches(tensors_[i], tensors[i])) return false;
-    modified = modified || tensors[i]._version() != tensors_[i].version;
+    if (!matches(packed_.tensors[i], tensors[i])) return false;
+    modified = modified || tensors[i]._version() != packed_.tensors[i].version;
   }
   if (modified) {  // changed in place (a requantize): the arena holds the new bytes; the device copy is stale
-    if (TransferEngine* engine = engine_if_registered()) engine->begin_host_write(id_);
-    for (std::size_t i = 0; i < tensors.size(); ++i) tensors_[i].version = tensors[i]._version();
+    if (TransferEngine* engine = engine_if_registered()) engine->begin_host_write(registered_.id);
+    for (std::size_t i = 0; i < tensors.size(); ++i) packed_.tensors[i].version = tensors[i]._version();
   }
   return true;
 }
 
 std::string StreamedLayer::stored_as() const {
-  if (quant_ && quant_->lossless) return "lossless " + std::string(c10::toString(quant_->result));
-  if (!tensors_.empty()) return std::string(c10::toString(tensors_.front().dtype));  // the first buffer's
-  return std::string(c10::toString(weight_.dtype));
+  if (packed_.quant && packed_.quant->lossless) return "lossless " + std::string(c10::toString(packed_.quant->result));
+  if (!packed_.tensors.empty()) return std::string(c10::toString(packed_.tensors.front().dtype));  // the first buffer's
+  return std::string(c10::toString(packed_.weight.dtype));
 }
 
 bool StreamedLayer::is_current(const at::Tensor& weight, const at::Tensor& bias) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!matches(weight_, weight) || !matches(bias_, bias)) return false;  // replaced, or data swapped
-  const bool w_same = weight._version() == weight_.version;
-  const bool b_same = !bias_.defined || bias._version() == bias_.version;
+  if (!matches(packed_.weight, weight) || !matches(packed_.bias, bias)) return false;  // replaced, or data swapped
+  const bool w_same = weight._version() == packed_.weight.version;
+  const bool b_same = !packed_.bias.defined || bias._version() == packed_.bias.version;
   if (w_same && b_same) return true;
   // Codes made from the weight's values, or a tied weight's copy in this block, must be made again.
-  if (!w_same && (quant_ || weight_tied_)) return false;
+  if (!w_same && (packed_.quant || packed_.weight_tied)) return false;
   // Modified in place (an optimizer step on a trainable layer): the arena holds the new bytes already;
   // the device copy is stale.
-  if (TransferEngine* engine = engine_if_registered()) engine->begin_host_write(id_);
-  weight_.version = weight._version();
-  if (bias_.defined) bias_.version = bias._version();
+  if (TransferEngine* engine = engine_if_registered()) engine->begin_host_write(registered_.id);
+  packed_.weight.version = weight._version();
+  if (packed_.bias.defined) packed_.bias.version = bias._version();
   return true;
 }
 
 StreamedLayer::Refreshed StreamedLayer::refresh(const at::Tensor& weight, const at::Tensor& bias) {
   // LAYERSTREAM_HOST_DTYPE applies to frozen weights: one frozen after it was packed gets compressed now,
   // one made trainable again is stored as it is (its gradient and updates need the exact values).
-  const bool compress_now = compress_frozen_ && !quant_ && !weight.requires_grad();
-  const bool expand_now = quant_ && quant_->compressed && weight.requires_grad();
+  const bool compress_now = takes_.compress_frozen && !packed_.quant && !weight.requires_grad();
+  const bool expand_now = packed_.quant && packed_.quant->compressed && weight.requires_grad();
   // A shared (read-only) block whose weight or bias became trainable gets a copy of this rank's own
   // before its optimizer writes to it.
-  const bool shared = block_ && block_->segment() != nullptr;
+  const bool shared = block_.ref && block_.ref->segment() != nullptr;
   const bool trainable = weight.requires_grad() || (bias.defined() && bias.requires_grad());
   fresh_each_use_.store(trainable, std::memory_order_relaxed);
   const bool unshare_now = shared && trainable;
-  if (compress_now || expand_now || unshare_now || !is_current(weight, bias)) pack(weight, bias, weight_tied_);
+  if (compress_now || expand_now || unshare_now || !is_current(weight, bias)) pack(weight, bias, packed_.weight_tied);
   return Refreshed(this);
 }
 

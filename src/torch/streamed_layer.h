@@ -118,8 +118,8 @@ class StreamedLayer : public torch::CustomClassHolder {
     // the packed bytes on demand): its identity is its TensorImpl alone.
     bool wrapped = false;
   };
-  // A weight stored as codes and a scale (weight_ then describes the codes), or packed losslessly
-  // (weight_ then describes the encoded bytes, `scale` is undefined, `lossless` the encoding).
+  // A weight stored as codes and a scale (the packed weight then describes the codes), or packed losslessly
+  // (the packed weight then describes the encoded bytes, `scale` is undefined, `lossless` the encoding).
   struct QuantParts {
     Packed scale;
     at::ScalarType math = at::kFloat;
@@ -229,12 +229,12 @@ class StreamedLayer : public torch::CustomClassHolder {
   // Whether the layer holds the weight Parameter as a PackedWeight, and that `weight` is it.
   bool holds_packed_parameter(const at::Tensor& weight);
   // Whether LAYERSTREAM_HOST_DTYPE=lossless takes this layer's weight when it is frozen.
-  bool lossless_takes_weight() const { return lossless_takes_; }
+  bool lossless_takes_weight() const { return takes_.lossless; }
 
   // The stored form pack() gave the weight: plain, or float8-host or lossless-bf16 where LAYERSTREAM_HOST_DTYPE
   // takes a frozen weight (an entry of stored_forms()). nullptr for a layer packed by pack_quantized or
   // pack_tensors, whose form is its recogniser's.
-  const StoredForm* weight_form() const { return weight_form_; }
+  const StoredForm* weight_form() const { return packed_.weight_form; }
   // Counts the packings (install()): a forward's graph remembers it, and its backward refuses to run
   // after the weights were packed again (replaced), when it would read the new ones.
   std::uint64_t packing() const { return packing_.load(std::memory_order_relaxed); }
@@ -249,7 +249,7 @@ class StreamedLayer : public torch::CustomClassHolder {
   // set, offsets set here), each filled from its source; `views` gets the host views in that order.
   // `shareable`: frozen contents that may live in the host copy the ranks share (host_share.h).
   // `packed`: how many of the block's bytes hold a packed (compressed) weight (host_memory_counts()).
-  // The views' storages and block_account_ keep the block and its count.
+  // The views' storages and block_.account keep the block and its count.
   // `encode`: fills the first part instead of copying its source (the lossless encoder, straight into the
   // block: no packed copy on the side).
   std::shared_ptr<HostBlockRef> new_block(const std::vector<std::pair<Packed*, at::Tensor>>& parts,
@@ -266,7 +266,8 @@ class StreamedLayer : public torch::CustomClassHolder {
   at::Tensor dequantize_in_scratch(const at::Tensor& codes, const at::Tensor& scale, const Lease& lease,
                                    at::Device where, StreamHandle consumer);
   // Scratch to ask of the engine for this layer: its dequantized weight, where the core dequantizes it
-  // (a quantized layer on the simulator or on CUDA), else 0. Caller holds mu_; install() keeps it in scratch_.
+  // (a quantized layer on the simulator or on CUDA), else 0. Caller holds mu_; install() keeps it in
+  // registered_.
   std::size_t scratch_bytes_locked() const;
   // For a losslessly packed layer: the engine's hook that decodes each ring copy into its scratch on the
   // engine's derive stream (none for other layers).
@@ -298,34 +299,54 @@ class StreamedLayer : public torch::CustomClassHolder {
   // Caller holds mu_ (or is the destructor).
   void count_pageable_locked(std::int64_t bytes);
 
+  // The arena block the layer holds, and the host memory it counts for itself (host_memory_counts()).
+  struct HeldBlock {
+    std::shared_ptr<HostBlockRef> ref;
+    std::shared_ptr<void> account;      // counts `ref` in host_memory_counts() while anything holds it
+    std::shared_ptr<void> new_account;  // new_block()'s, until install() takes it
+    std::int64_t pageable = 0;          // the plain Parameter copy counted as pageable for this layer
+  };
+  // What the block holds, and the Parameters (or tensors) it was packed from.
+  struct Contents {
+    const StoredForm* weight_form = nullptr;  // weight_form()
+    Packed weight, bias;
+    std::optional<QuantParts> quant;
+    std::vector<Packed> tensors;  // pack_tensors(): the layer's own tensors, in order
+    bool weight_tied = false;     // pack(tied): the Parameter's data lies in another layer's block
+  };
+  // What LAYERSTREAM_HOST_DTYPE does with the weight, as the last pack() found it.
+  struct HostDtypeTakes {
+    bool compress_frozen = false;  // it takes this weight (packed again once frozen)
+    bool lossless = false;         // lossless_takes_weight()
+  };
+  // The layer's registration in its DeviceState's current engine (registered_engine()).
+  struct Registration {
+    std::uint64_t generation = 0;  // engine generation the layer is registered in
+    LayerId id = 0;
+    std::size_t scratch = 0;  // scratch_bytes_locked() of the current block, asked of the engine
+  };
+  // dequantize_in_scratch(): the copy (Lease::fill) whose codes the scratch holds dequantized, and the
+  // stream that wrote them. Guarded by `mu`, held while the write is enqueued.
+  struct DequantScratch {
+    std::mutex mu;
+    std::uint64_t fill = 0;
+    void* stream = nullptr;
+  };
+
   std::shared_ptr<DeviceState> state_;
   LayerKind kind_;
   ConvParams conv_;
-  std::mutex mu_;
-  std::shared_ptr<HostBlockRef> block_;
-  std::shared_ptr<void> block_account_;  // counts block_ in host_memory_counts() while anything holds it
-  std::shared_ptr<void> new_account_;    // new_block()'s, until install() takes it
-  std::int64_t pageable_ = 0;            // the plain Parameter copy counted as pageable for this layer
-  bool lossless_takes_ = false;
-  const StoredForm* weight_form_ = nullptr;  // weight_form()
-  Packed weight_, bias_;
-  std::optional<QuantParts> quant_;
-  std::vector<Packed> tensors_;  // pack_tensors(): the layer's own tensors, in order
-  std::size_t scratch_ = 0;      // scratch_bytes_locked() of the current block
-  bool compress_frozen_ = false;  // LAYERSTREAM_HOST_DTYPE takes this weight (packed again once frozen)
-  bool weight_tied_ = false;      // pack(tied): the Parameter's data lies in another layer's block
+  std::mutex mu_;  // held while packing or registering: block_, packed_, takes_ and registered_ change under it
+  HeldBlock block_;
+  Contents packed_;
+  HostDtypeTakes takes_;
+  Registration registered_;
   std::atomic<std::uint64_t> packing_{0};
   // A trainable weight or bias (set at each forward): its device copy is made again at every use. An
   // optimizer's step bumps the Parameter's version, but a write through .data (AI-Toolkit's EMA swap,
   // copy_to/restore) does not, and nothing else tells a reused copy from a stale one.
   std::atomic<bool> fresh_each_use_{false};
-  std::uint64_t generation_ = 0;  // engine generation the layer is registered in
-  LayerId id_ = 0;
-  // dequantize_in_scratch(): the copy (Lease::fill) whose codes the scratch holds dequantized, and the
-  // stream that wrote them. Guarded by scratch_mu_, held while the write is enqueued.
-  std::mutex scratch_mu_;
-  std::uint64_t scratch_fill_ = 0;
-  void* scratch_stream_ = nullptr;
+  DequantScratch dequant_scratch_;
 };
 
 }  // namespace layerstream::torchglue

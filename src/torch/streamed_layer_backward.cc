@@ -152,7 +152,7 @@ at::Tensor StreamedLayer::grad_to_host(at::Tensor grad, const at::Tensor& param,
   at::Tensor real;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    const Packed& packed = is_bias ? bias_ : weight_;
+    const Packed& packed = is_bias ? packed_.bias : packed_.weight;
     if (packed.impl) {
       if (auto impl = packed.impl->lock()) real = at::Tensor(std::move(impl));
     }
@@ -234,7 +234,7 @@ std::array<at::Tensor, 3> StreamedLayer::compute_backward(const at::Tensor& grad
     const at::Tensor x4 = unbatched ? x.unsqueeze(0) : x;
     auto grads = with_device_weights([&](const at::Tensor& w, const at::Tensor&) {
       const at::OptionalIntArrayRef bias_sizes =
-          bias_.defined ? at::OptionalIntArrayRef(bias_.sizes) : at::OptionalIntArrayRef(c10::nullopt);
+          packed_.bias.defined ? at::OptionalIntArrayRef(packed_.bias.sizes) : at::OptionalIntArrayRef(c10::nullopt);
       return at::convolution_backward(g4, as_dtype(x4, dtype), as_dtype(weight_for_formula(w), dtype), bias_sizes,
                                       conv_.stride, conv_.padding, conv_.dilation, false, {0, 0},
                                       conv_.groups, {need_x, need_w, need_b});

@@ -127,7 +127,7 @@ bool StreamedLayer::lossless_decoder_here() const {
 }
 
 std::vector<std::int64_t> StreamedLayer::weight_shape() const {
-  return quant_ && quant_->lossless ? quant_->sizes : weight_.sizes;
+  return packed_.quant && packed_.quant->lossless ? packed_.quant->sizes : packed_.weight.sizes;
 }
 
 namespace {
@@ -189,67 +189,70 @@ at::Tensor lossless_unpack(const at::Tensor& codes, const LosslessSpec& spec, c1
 }
 
 at::Tensor StreamedLayer::dequantize(const at::Tensor& codes, const at::Tensor& scale, bool on_device) const {
-  if (quant_->lossless) {  // one decoder, wherever the bytes are (exact: nothing to match upstream's math)
-    return lossless_unpack(codes, *quant_->lossless, quant_->sizes);
+  if (packed_.quant->lossless) {  // one decoder, wherever the bytes are (exact: nothing to match upstream's math)
+    return lossless_unpack(codes, *packed_.quant->lossless, packed_.quant->sizes);
   }
   // The simulator's "device" copy is host memory: the kernel's host reference computes it, so CI runs the
   // routine the CUDA kernel mirrors. A CPU process device uses torch operations (upstream's math).
   const bool use_core = on_device || state_->mode() == Mode::kSim;
-  return dequantize_codes(codes, scale, quant_->math, quant_->result, use_core);
+  return dequantize_codes(codes, scale, packed_.quant->math, packed_.quant->result, use_core);
 }
 
 at::Tensor StreamedLayer::dequantize_in_scratch(const at::Tensor& codes, const at::Tensor& scale, const Lease& lease,
                                                  at::Device where, StreamHandle consumer) {
   const std::vector<std::int64_t> sizes = weight_shape();
-  const std::size_t bytes = static_cast<std::size_t>(c10::multiply_integers(sizes)) * c10::elementSize(quant_->result);
+  const std::size_t bytes =
+      static_cast<std::size_t>(c10::multiply_integers(sizes)) * c10::elementSize(packed_.quant->result);
   LS_CHECK(lease.extra_bytes >= bytes, "internal: scratch of ", lease.extra_bytes, " bytes for a weight of ", bytes);
-  at::Tensor out = at::from_blob(lease.extra, sizes, at::TensorOptions().dtype(quant_->result).device(where));
+  at::Tensor out = at::from_blob(lease.extra, sizes, at::TensorOptions().dtype(packed_.quant->result).device(where));
   const bool on_host = where.is_cpu();
-  if (quant_->lossless) {  // decoded on the derive stream before the copy's ready event (fill_hook_locked)
+  if (packed_.quant->lossless) {  // decoded on the derive stream before the copy's ready event (fill_hook_locked)
     if (on_host) state_->backend().annotate_host_access(lease.extra, bytes, false);
     state_->note_dequant(DequantUse::kOnCopy);
     return out;
   }
-  std::lock_guard<std::mutex> lock(scratch_mu_);
-  if (lease.fill == scratch_fill_ && consumer.raw == scratch_stream_) {  // this copy, dequantized on this stream
+  std::lock_guard<std::mutex> lock(dequant_scratch_.mu);
+  // This copy, dequantized on this stream.
+  if (lease.fill == dequant_scratch_.fill && consumer.raw == dequant_scratch_.stream) {
     if (on_host) state_->backend().annotate_host_access(lease.extra, bytes, false);
     state_->note_dequant(DequantUse::kReused);
     return out;
   }
-  if (lease.fill == scratch_fill_) {  // there, but written on another stream: do not touch it
+  if (lease.fill == dequant_scratch_.fill) {  // there, but written on another stream: do not touch it
     state_->note_dequant(DequantUse::kOwnMemory);
     return dequantize(codes, scale, !on_host);
   }
   // A new copy: its H2D copy waited for every earlier reader of this memory, and the consumer waited for
   // the copy, so the write below is ordered after all of them.
-  const std::optional<DequantSpec> spec = core_dequant_spec(codes, scale, quant_->math, quant_->result);
+  const std::optional<DequantSpec> spec = core_dequant_spec(codes, scale, packed_.quant->math, packed_.quant->result);
   LS_CHECK(spec.has_value(), "internal: scratch was asked for a weight the core cannot dequantize");
   if (on_host) state_->backend().annotate_host_access(lease.extra, bytes, true);
   run_core_dequant(*spec, codes, scale, out);
-  scratch_fill_ = lease.fill;
-  scratch_stream_ = consumer.raw;
+  dequant_scratch_.fill = lease.fill;
+  dequant_scratch_.stream = consumer.raw;
   state_->note_dequant(DequantUse::kIntoScratch);
   return out;
 }
 
 std::size_t StreamedLayer::scratch_bytes_locked() const {
-  if (!quant_ || state_->mode() == Mode::kCpu) return 0;
-  if (quant_->lossless) return quant_->lossless->count * c10::elementSize(quant_->result);  // pack() checked the decoder
+  if (!packed_.quant || state_->mode() == Mode::kCpu) return 0;
+  const QuantParts& q = *packed_.quant;
+  if (q.lossless) return q.lossless->count * c10::elementSize(q.result);  // pack() checked the decoder
   // The device views have the host views' dtypes, sizes and strides: ask on the host ones, for the device.
-  const at::Tensor codes = view_of(block_->data(), weight_, at::kCPU);
-  const at::Tensor scale = view_of(block_->data(), quant_->scale, at::kCPU);
-  if (!core_dequant_spec(codes, scale, quant_->math, quant_->result)) return 0;
+  const at::Tensor codes = view_of(block_.ref->data(), packed_.weight, at::kCPU);
+  const at::Tensor scale = view_of(block_.ref->data(), q.scale, at::kCPU);
+  if (!core_dequant_spec(codes, scale, q.math, q.result)) return 0;
 #if !(defined(LAYERSTREAM_WITH_CUDA) && defined(LAYERSTREAM_TORCH_CUDA))
   if (state_->mode() == Mode::kCuda) return 0;  // no kernel: torch operations, into memory of their own
 #endif
-  return static_cast<std::size_t>(codes.numel()) * c10::elementSize(quant_->result);
+  return static_cast<std::size_t>(codes.numel()) * c10::elementSize(q.result);
 }
 
 TransferEngine::FillHook StreamedLayer::fill_hook_locked() const {
   // Packed weights are decoded on the engine's derive stream right after their copy, beside the next copy
   // and off the compute stream; the consumer then finds them decoded (dequantize_in_scratch).
-  if (!quant_ || !quant_->lossless || scratch_ == 0) return {};
-  const LosslessSpec spec = *quant_->lossless;
+  if (!packed_.quant || !packed_.quant->lossless || registered_.scratch == 0) return {};
+  const LosslessSpec spec = *packed_.quant->lossless;
   if (state_->mode() == Mode::kSim) {
     Backend* backend = &state_->backend();  // outlives the engines built on it
     return [spec, backend](void* region, void* scratch, StreamHandle stream) {

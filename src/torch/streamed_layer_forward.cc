@@ -133,10 +133,10 @@ at::Tensor StreamedLayer::forward_frozen(const at::Tensor& x, const at::Tensor& 
 at::Tensor StreamedLayer::run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   if (state_->mode() == Mode::kCpu) {
     at::Tensor w = weight;
-    if (quant_) {
+    if (packed_.quant) {
       std::lock_guard<std::mutex> lock(mu_);
-      w = dequantize(view_of(block_->data(), weight_, at::kCPU), view_of(block_->data(), quant_->scale, at::kCPU),
-                     false);
+      char* base = block_.ref->data();
+      w = dequantize(view_of(base, packed_.weight, at::kCPU), view_of(base, packed_.quant->scale, at::kCPU), false);
     }
     return compute_on_host(x, w, bias);
   }
@@ -222,8 +222,8 @@ void StreamedLayer::with_staged_tensors(const std::function<void(const std::vect
   bool written = false;
   with_region([&](const auto& view, bool on_host, const Lease&, StreamHandle) {
     std::vector<at::Tensor> staged;
-    staged.reserve(tensors_.size());
-    for (const Packed& p : tensors_) staged.push_back(view(p));
+    staged.reserve(packed_.tensors.size());
+    for (const Packed& p : packed_.tensors) staged.push_back(view(p));
     // Before the region goes back, on every exit: what outlives the call gets its own copy.
     auto settle = [&] {
       for (const at::Tensor& t : staged) {
@@ -253,7 +253,7 @@ void StreamedLayer::with_staged_tensors(const std::function<void(const std::vect
   });
   // Written in place by the layer's forward: the region's (or the resident) copy is not the host's any more.
   if (written) {
-    if (TransferEngine* engine = engine_if_registered()) engine->begin_host_write(id_);
+    if (TransferEngine* engine = engine_if_registered()) engine->begin_host_write(registered_.id);
   }
 }
 

@@ -67,14 +67,14 @@ auto StreamedLayer::with_region(Fn&& fn) {
   const bool fresh = fresh_each_use_.load(std::memory_order_relaxed);
   // A trainable weight may have been written through .data since its device copy was made (see
   // fresh_each_use_): drop that copy (resident or in the ring), so that the fetch copies the host bytes.
-  if (fresh) engine.begin_host_write(id_);
-  const Lease lease = engine.fetch(id_);
+  if (fresh) engine.begin_host_write(registered_.id);
+  const Lease lease = engine.fetch(registered_.id);
   const bool on_host = state_->mode() == Mode::kSim;
   const at::Device where = on_host ? at::Device(at::kCPU) : state_->device();
   // A view of one packed tensor in the fetched region.
   auto view = [&](const Packed& p) { return detail::view_of(static_cast<char*>(lease.data), p, where); };
   try {  // from here on, every exit releases the lease
-    state_->note_use(id_, fresh);  // after the fetch holds this layer, so prefetches cannot displace it
+    state_->note_use(registered_.id, fresh);  // after the fetch holds this layer, so prefetches cannot displace it
     if (on_host) {
       engine.wait_ready_host(lease);
       state_->backend().annotate_host_access(lease.data, lease.bytes, false);
@@ -93,15 +93,15 @@ auto StreamedLayer::with_region(Fn&& fn) {
 template <typename Fn>
 auto StreamedLayer::with_device_weights(Fn&& fn) {
   return with_region([&](const auto& view, bool on_host, const Lease& lease, StreamHandle consumer) {
-    at::Tensor w = view(weight_);
-    if (quant_ && lease.extra != nullptr) {
-      w = dequantize_in_scratch(w, view(quant_->scale), lease, on_host ? at::Device(at::kCPU) : state_->device(),
+    at::Tensor w = view(packed_.weight);
+    if (packed_.quant && lease.extra != nullptr) {
+      w = dequantize_in_scratch(w, view(packed_.quant->scale), lease, on_host ? at::Device(at::kCPU) : state_->device(),
                                 consumer);
-    } else if (quant_) {
+    } else if (packed_.quant) {
       state_->note_dequant(DequantUse::kOwnMemory);
-      w = dequantize(w, view(quant_->scale), !on_host);
+      w = dequantize(w, view(packed_.quant->scale), !on_host);
     }
-    return fn(w, view(bias_));
+    return fn(w, view(packed_.bias));
   });
 }
 

@@ -346,42 +346,44 @@ void StreamedLayer::pack(const at::Tensor& weight, const at::Tensor& bias, bool 
   remember_identity(stored.w, weight);
   if (b.defined) remember_identity(b, bias);
   install(std::move(block), stored.form, std::move(stored.w), std::move(b), std::move(stored.q));
-  weight_tied_ = tied;
+  packed_.weight_tied = tied;
   // Whether a use with the weight frozen should pack it again: not for weights the setting does not take,
   // nor for one lossless packing would not shrink (each use would pack it again, for nothing).
-  compress_frozen_ = takes.float8 || (takes.lossless && (weight.requires_grad() || lossless));
-  lossless_takes_ = takes.lossless;
+  takes_.compress_frozen = takes.float8 || (takes.lossless && (weight.requires_grad() || lossless));
+  takes_.lossless = takes.lossless;
 }
 
 std::optional<StreamedLayer::PackedBytes> StreamedLayer::packed_weight_to_wrap() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!quant_ || !quant_->lossless || !quant_->compressed || weight_.wrapped || weight_tied_) return std::nullopt;
-  std::shared_ptr<void> keep = block_account_;  // the block and its count live as long as the bytes' storage
+  const std::optional<QuantParts>& q = packed_.quant;
+  if (!q || !q->lossless || !q->compressed || packed_.weight.wrapped || packed_.weight_tied) return std::nullopt;
+  std::shared_ptr<void> keep = block_.account;  // the block and its count live as long as the bytes' storage
   PackedBytes out;
-  out.codes = view_of(block_->data(), weight_, at::kCPU, [keep](void*) {});
-  out.spec = *quant_->lossless;
-  out.sizes = quant_->sizes;
+  out.codes = view_of(block_.ref->data(), packed_.weight, at::kCPU, [keep](void*) {});
+  out.spec = *packed_.quant->lossless;
+  out.sizes = packed_.quant->sizes;
   return out;
 }
 
 void StreamedLayer::forget_weight_parameter() {
   std::lock_guard<std::mutex> lock(mu_);
-  weight_.impl.reset();
-  weight_.storage.reset();
+  packed_.weight.impl.reset();
+  packed_.weight.storage.reset();
 }
 
 void StreamedLayer::adopt_weight_parameter(const at::Tensor& weight) {
   std::lock_guard<std::mutex> lock(mu_);
-  remember_identity(weight_, weight);
-  if (weight_.wrapped) {
-    LS_CHECK_ARG(quant_ && quant_->lossless, "adopt_weight_parameter: this layer holds no losslessly packed weight");
+  remember_identity(packed_.weight, weight);
+  if (packed_.weight.wrapped) {
+    LS_CHECK_ARG(packed_.quant && packed_.quant->lossless,
+                 "adopt_weight_parameter: this layer holds no losslessly packed weight");
     count_pageable_locked(0);
   }
 }
 
 bool StreamedLayer::holds_packed_parameter(const at::Tensor& weight) {
   std::lock_guard<std::mutex> lock(mu_);
-  return weight_.wrapped && matches(weight_, weight);
+  return packed_.weight.wrapped && matches(packed_.weight, weight);
 }
 
 std::array<at::Tensor, 2> StreamedLayer::pack_quantized(const at::Tensor& codes, const at::Tensor& scale,
@@ -432,15 +434,16 @@ std::vector<at::Tensor> StreamedLayer::pack_tensors(const std::vector<at::Tensor
   auto block = new_block(parts, views, shareable);
   for (std::size_t i = 0; i < views.size(); ++i) remember_identity(packed[i], views[i]);
   install(std::move(block), nullptr, Packed{}, Packed{}, std::nullopt);
-  tensors_ = std::move(packed);
+  packed_.tensors = std::move(packed);
   return views;
 }
 
 void StreamedLayer::adopt_tensor(std::size_t index, const at::Tensor& t) {
   std::lock_guard<std::mutex> lock(mu_);
-  LS_CHECK(index < tensors_.size(), "internal: adopt_tensor(", index, ") of ", tensors_.size(), " packed tensors");
-  LS_CHECK(t.defined() && t.data_ptr() == tensors_[index].data, "internal: adopt_tensor: not set to the packed view");
-  remember_identity(tensors_[index], t);
+  std::vector<Packed>& tensors = packed_.tensors;
+  LS_CHECK(index < tensors.size(), "internal: adopt_tensor(", index, ") of ", tensors.size(), " packed tensors");
+  LS_CHECK(t.defined() && t.data_ptr() == tensors[index].data, "internal: adopt_tensor: not set to the packed view");
+  remember_identity(tensors[index], t);
 }
 
 }  // namespace layerstream::torchglue
