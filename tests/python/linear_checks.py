@@ -41,6 +41,22 @@ def check_forward_backward(layer: torch.nn.Linear, x: torch.Tensor, weight: torc
         assert torch.equal(layer.bias.grad, ref_b.grad), label
 
 
+def check_model_step(managed: torch.nn.Module, reference: torch.nn.Module, x: torch.Tensor, label: str) -> None:
+    """One training step's math of a managed model against its unmanaged copy on `x`: the output, the input
+    gradient and every parameter gradient are the same bits (the gradients are cleared after)."""
+    xr, xm = x.detach().clone().requires_grad_(True), x.detach().clone().requires_grad_(True)
+    out_m, out_r = managed(xm), reference(xr)
+    assert torch.equal(out_m, out_r), label
+    out_m.float().square().sum().backward()
+    out_r.float().square().sum().backward()
+    mm.sync_grad_transfers()
+    assert torch.equal(xm.grad, xr.grad), label
+    for got, want in zip(managed.parameters(), reference.parameters()):
+        if want.grad is not None:
+            assert torch.equal(got.grad.to(want.grad.device), want.grad), label
+        got.grad = want.grad = None
+
+
 def start_fuzz(engine: str, monkeypatch, host_dtype: str, seed: int, faults: str):
     """The fuzz tests' setting: the simulator's fault injector (`faults` is its seed), a 1 MiB ring, the
     host storage `host_dtype`, fresh device states; returns the schedule's random source."""

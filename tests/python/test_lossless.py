@@ -14,7 +14,7 @@ import torch
 from conftest import clear_device_states
 from contract_driver import ContractManager
 from layerstream import manager_modules as mm
-from linear_checks import check_forward, check_forward_backward, start_fuzz
+from linear_checks import check_forward, check_forward_backward, check_model_step, start_fuzz
 from models import TinyTransformer, apply_lora
 
 
@@ -310,18 +310,7 @@ def test_resident_packed_layers_are_decoded_ahead_of_use_and_change_no_bit(engin
     for layer in model:
         mm.LinearLayerMemoryManager.attach(layer, Manager(device))
     for step in range(3):
-        x = torch.randn(8, 256, dtype=torch.bfloat16, device=device, requires_grad=True)
-        xr = x.detach().clone().requires_grad_(True)
-        out, ref = model(x), reference(xr)
-        assert torch.equal(out, ref), f"step {step}"
-        out.float().square().sum().backward()
-        ref.float().square().sum().backward()
-        mm.sync_grad_transfers()
-        assert torch.equal(x.grad, xr.grad), f"step {step}"
-        for got, want in zip(model, reference):
-            assert torch.equal(got.bias.grad.to(device), want.bias.grad), f"step {step}"
-            got.bias.grad = None
-            want.bias.grad = None
+        check_model_step(model, reference, torch.randn(8, 256, dtype=torch.bfloat16, device=device), f"step {step}")
     stats = mm._DEVICE_STATE[torch.device(device)].stats()
     assert stats["resident_layers"] == 4
     assert stats["dequant_own_memory"] == 0
