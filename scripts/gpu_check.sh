@@ -371,6 +371,12 @@ if want aitkjob; then
     run "aitkjob$n" env "${envs[@]}" python3 -m layerstream bench aitk-job --aitk-dir "${AI_TOOLKIT_DIR%%:*}" \
       --device cuda --stubs /tmp/gpustubs --json-out "$OUT/aitkjob$n.json" "${words[@]}"
     echo "      job $n: ${envs[*]} ${words[*]}" >>"$OUT/summary.txt"
+    # Each run's own log (run.py's output with layerstream's lines), its last lines, for where the time went.
+    wd=""
+    for ((i = 0; i + 1 < ${#words[@]}; i++)); do [[ ${words[i]} == --workdir ]] && wd=${words[i + 1]}; done
+    for lg in ${wd:+"$wd"/runs/*/run.log}; do
+      [[ -e $lg ]] && tail -n 400 "$lg" >"$OUT/aitkjob$n-$(basename "$(dirname "$lg")").log"
+    done
     sed -n '/^| arch/,/^$/p' "$OUT/all.log" | tail -n 6 | sed 's/^/      /' >>"$OUT/summary.txt"
   done
 fi
