@@ -237,7 +237,7 @@ Lease TransferEngine::fetch(LayerId id) {
     lease.data = layer.resident.data();
     lease.fill = layer.resident_fill;
     RegionId scratch = 0;
-    if (layer.on_fill && layer.extra != 0) {
+    if (layer.on_fill) {
       // Its scratch: derived ahead (a prefetch), still in the ring from an earlier use, or derived now.
       if (resident_scratch_current_locked(layer)) {
         ring_.hold(layer.region);
@@ -285,7 +285,7 @@ bool TransferEngine::prefetch(LayerId id) {
   std::lock_guard<std::mutex> lock(mu_);
   Layer& layer = layer_locked(id);
   if (layer.resident.data() != nullptr) {
-    if (!layer.on_fill || layer.extra == 0 || resident_scratch_current_locked(layer)) return false;
+    if (!layer.on_fill || resident_scratch_current_locked(layer)) return false;
     if (!derive_resident_locked(id, layer, /*held=*/false)) return false;
     layer.prefetched_unused = true;
     ++stats_.prefetches;

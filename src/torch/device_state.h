@@ -299,11 +299,11 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // the rebuilt engine), and with `give_back_others` gives back the resident copies the plan no longer keeps.
   KeptLayers keep_resident_locked(const std::vector<PlannedLayer>& layers, const std::vector<bool>& resident,
                                   bool rebuild, bool give_back_others);
-  // A layer's packed bytes, or with in_ring what it takes in the ring (its scratch too); nullopt: removed
-  // from the engine.
-  std::optional<std::size_t> layer_bytes_locked(LayerId layer, bool in_ring) const;
-  // What the prefetcher counts for the layer in the ring (TransferEngine::prefetch_bytes); none once it is gone.
-  std::optional<std::size_t> prefetch_bytes_locked(LayerId layer) const;
+  // Which of a layer's sizes layer_bytes_locked gives: its packed bytes (host_block), what it takes in the ring
+  // with its scratch (device_bytes), or what the prefetcher counts for it in the ring (prefetch_bytes).
+  enum class LayerSize { kPacked, kInRing, kPrefetched };
+  // nullopt: the layer is no longer in the engine (its model was freed).
+  std::optional<std::size_t> layer_bytes_locked(LayerId layer, LayerSize size) const;
 };
 
 }  // namespace layerstream::torchglue

@@ -184,7 +184,7 @@ std::string DeviceState::prefetch_locked(LayerId layer, bool training) {
   std::size_t planned = 0;
   for (LayerId next : prefetch_.predictor.predict(prefetch_.lookahead_layers)) {
     if (next == layer || prefetch_.fresh_each_use.count(next) != 0) continue;
-    const std::optional<std::size_t> bytes = prefetch_bytes_locked(next);
+    const std::optional<std::size_t> bytes = layer_bytes_locked(next, LayerSize::kPrefetched);
     if (!bytes) break;  // that layer is gone (freed model): the prediction is stale
     planned += *bytes;
     if (planned > budget) break;
@@ -224,20 +224,17 @@ void DeviceState::consider_residency(TransferEngine& engine, LayerId layer, std:
   }
 }
 
-std::optional<std::size_t> DeviceState::layer_bytes_locked(LayerId layer, bool in_ring) const {
+std::optional<std::size_t> DeviceState::layer_bytes_locked(LayerId layer, LayerSize size) const {
   try {
-    return in_ring ? engine_->device_bytes(layer) : engine_->host_block(layer).bytes;
+    switch (size) {
+      case LayerSize::kPacked: return engine_->host_block(layer).bytes;
+      case LayerSize::kInRing: return engine_->device_bytes(layer);
+      case LayerSize::kPrefetched: return engine_->prefetch_bytes(layer);
+    }
   } catch (const InvalidArgument&) {
-    return std::nullopt;  // no longer in the engine (its model was freed)
+    // no longer in the engine (its model was freed)
   }
-}
-
-std::optional<std::size_t> DeviceState::prefetch_bytes_locked(LayerId layer) const {
-  try {
-    return engine_->prefetch_bytes(layer);
-  } catch (const InvalidArgument&) {
-    return std::nullopt;  // no longer in the engine (its model was freed)
-  }
+  return std::nullopt;
 }
 
 KeptLayers DeviceState::keep_resident_locked(const std::vector<PlannedLayer>& layers, const std::vector<bool>& resident,
@@ -276,8 +273,8 @@ KeptLayers DeviceState::keep_resident_locked(const std::vector<PlannedLayer>& la
 std::string DeviceState::apply_vram_budget_locked(const DeviceMemoryView& view) {
   std::vector<PlannedLayer> layers;
   for (LayerId id : budget_.plan_candidates()) {
-    const std::optional<std::size_t> bytes = layer_bytes_locked(id, false);
-    const std::optional<std::size_t> in_ring = layer_bytes_locked(id, true);
+    const std::optional<std::size_t> bytes = layer_bytes_locked(id, LayerSize::kPacked);
+    const std::optional<std::size_t> in_ring = layer_bytes_locked(id, LayerSize::kInRing);
     if (bytes && in_ring) {  // nullopt: freed since
       layers.push_back(PlannedLayer{id, *bytes, *in_ring, prefetch_.fresh_each_use.count(id) != 0});
     }

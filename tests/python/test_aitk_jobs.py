@@ -53,6 +53,8 @@ def _assert_complete(opts: JobOptions, run, name: str):
     assert _saves(opts, name) == set(run.loras), sorted(run.loras)
     samples = {f"step{s}_{i}" for s in range(0, opts.steps + 1, opts.sample_every) for i in range(2)}
     assert samples == set(run.samples), sorted(run.samples)
+    # The training step's own time, from AI-Toolkit's loss_log.db: at most the span of the logged steps.
+    assert 0 < run.median_step_s <= run.last_step_s - run.first_step_s, (run.median_step_s, run.first_step_s)
 
 
 def _saves(opts: JobOptions, name: str) -> set[str]:

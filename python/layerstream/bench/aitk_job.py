@@ -32,6 +32,7 @@ import re
 import shutil
 import signal
 import sqlite3
+import statistics
 import subprocess
 import sys
 import time
@@ -84,6 +85,9 @@ class RunResult:
     s_per_it: float | None = None
     first_step_s: float | None = None
     last_step_s: float | None = None
+    # The median time from one logged step to the next (AI-Toolkit's loss_log.db): the training step alone, where
+    # AI-Toolkit's s/it (a moving average of its progress bar) also carries the samples and saves between steps.
+    median_step_s: float | None = None
     log: str = ""
     second: RunResult | None = None  # the job run.py ran next in the same process (--second-job)
     # Stopped with SIGINT where the job paused (run_engine's ``pause``): where, and the sha256 of every saved file
@@ -331,9 +335,13 @@ def collect(engine: str, save_root: Path, log_path: Path, stats_file: Path, code
     db = save_root / "loss_log.db"
     if db.is_file():
         with sqlite3.connect(db) as con:
-            first, last = con.execute("SELECT MIN(wall_time), MAX(wall_time) FROM steps").fetchone()
-        if first is not None:
-            result.first_step_s, result.last_step_s = float(first) - start, float(last) - start
+            steps = con.execute("SELECT step, wall_time FROM steps ORDER BY step").fetchall()
+        if steps:
+            result.first_step_s = float(min(t for _, t in steps)) - start
+            result.last_step_s = float(max(t for _, t in steps)) - start
+            intervals = [t1 - t0 for (s0, t0), (s1, t1) in zip(steps, steps[1:]) if s1 == s0 + 1]
+            if intervals:
+                result.median_step_s = float(statistics.median(intervals))
     return result
 
 
