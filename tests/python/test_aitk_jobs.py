@@ -55,6 +55,8 @@ def _assert_complete(opts: JobOptions, run, name: str):
     assert samples == set(run.samples), sorted(run.samples)
     # The training step's own time, from AI-Toolkit's loss_log.db: at most the span of the logged steps.
     assert 0 < run.median_step_s <= run.last_step_s - run.first_step_s, (run.median_step_s, run.first_step_s)
+    # layer_offloading attaches the transformer (and the text encoder) through MemoryManager.attach, timed.
+    assert run.attaches and all(a["seconds"] > 0 for a in run.attaches), run.attaches
 
 
 def _saves(opts: JobOptions, name: str) -> set[str]:

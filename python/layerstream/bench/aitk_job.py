@@ -88,6 +88,8 @@ class RunResult:
     # The median time from one logged step to the next (AI-Toolkit's loss_log.db): the training step alone, where
     # AI-Toolkit's s/it (a moving average of its progress bar) also carries the samples and saves between steps.
     median_step_s: float | None = None
+    # MemoryManager.attach's outermost calls (the transformer, each text encoder): module class and wall seconds.
+    attaches: list = field(default_factory=list)
     log: str = ""
     second: RunResult | None = None  # the job run.py ran next in the same process (--second-job)
     # Stopped with SIGINT where the job paused (run_engine's ``pause``): where, and the sha256 of every saved file
@@ -332,6 +334,7 @@ def collect(engine: str, save_root: Path, log_path: Path, stats_file: Path, code
         stats = json.loads(stats_file.read_text() or "{}")
         result.peak_vram_allocated = stats.get("peak_vram_allocated")
         result.peak_vram_reserved = stats.get("peak_vram_reserved")
+        result.attaches = stats.get("attach", [])
     db = save_root / "loss_log.db"
     if db.is_file():
         with sqlite3.connect(db) as con:

@@ -20,8 +20,10 @@ def summary_row(opts: JobOptions, r: RunResult) -> str:
     gib = 2 ** 30
     vram = "" if r.peak_vram_allocated is None else f"{r.peak_vram_allocated / gib:.2f}"
     fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+    attach = " + ".join(f"{a['module']} {a['seconds']:.1f}" for a in r.attaches)
     return (f"| {opts.arch} | {opts.size} | {opts.quantize} | {r.engine} | {r.returncode} | {len(r.losses)} | "
-            f"{fmt(r.s_per_it, '.3f')} | {fmt(r.median_step_s, '.3f')} | {fmt(r.first_step_s, '.1f')} | {vram} | {r.peak_rss_bytes / gib:.2f} | "
+            f"{fmt(r.s_per_it, '.3f')} | {fmt(r.median_step_s, '.3f')} | {fmt(r.first_step_s, '.1f')} | {attach} | "
+            f"{vram} | {r.peak_rss_bytes / gib:.2f} | "
             f"{'yes' if r.active else 'no'} |")
 
 
@@ -170,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   DIFFERENT {arch}: {problem}", flush=True)
         failed += bool(problems)
     print("| arch | size | quantize | engine | exit | steps logged | s/it (AI-Toolkit) | median step s | "
-          "start to first step s | peak VRAM GiB | peak RSS GiB | layerstream active |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "start to first step s | attach s | peak VRAM GiB | peak RSS GiB | layerstream active |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "results": results}, default=str) + "\n")

@@ -4,7 +4,9 @@ PYTHONPATH; AI-Toolkit's files stay as they are. It does what a job cannot do fr
   AITK_JOB_CAP_GB     caps the process's VRAM (torch.cuda.set_per_process_memory_fraction) from the moment
                              the first optimizer is made: after the model is loaded and placed, before the first
                              sample and step, as a card of that size would have it during training;
-  AITK_JOB_STATS      a JSON file written at exit: peak VRAM allocated and reserved (where CUDA was used);
+  AITK_JOB_STATS      a JSON file written at exit: peak VRAM allocated and reserved (where CUDA was used) and
+                             the wall time of each outermost MemoryManager.attach call (stock's and layerstream's
+                             alike: AI-Toolkit's manager.py calls it for the transformer and each text encoder);
   AITK_JOB_DETERMINISTIC=1   torch.use_deterministic_algorithms(True), for bitwise comparisons on a GPU;
   AITK_JOB_FLUX2_PARAMS      a JSON file of FLUX.2's transformer and VAE sizes (aitk_flux2.py), which AI-Toolkit's
                              Flux2Model then builds instead of its fixed ones;
@@ -58,8 +60,34 @@ def _cap_at_first_optimizer(cap_bytes: float) -> None:
     torch.optim.Optimizer.__init__ = init
 
 
+_ATTACHES: list = []  # {"module": class name, "seconds": wall time} per outermost MemoryManager.attach
+
+
+def _time_attaches() -> None:
+    import time
+
+    def patch(module):
+        manager = module.MemoryManager
+        original = manager.__dict__["attach"].__func__
+        depth = [0]
+
+        def attach(cls, target, *args, **kwargs):
+            depth[0] += 1  # manager.py attaches a model's children through this same method
+            start = time.perf_counter()
+            try:
+                return original(cls, target, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    _ATTACHES.append({"module": type(target).__name__, "seconds": time.perf_counter() - start})
+
+        manager.attach = classmethod(attach)
+
+    _after_import("toolkit.memory_management.manager", patch)
+
+
 def _write_stats(path: str) -> None:
-    stats = {}
+    stats = {"attach": _ATTACHES}
     try:
         import sys
 
@@ -194,4 +222,5 @@ if os.environ.get("AITK_JOB_DETERMINISTIC") == "1":
 
     torch.use_deterministic_algorithms(True)
 if os.environ.get("AITK_JOB_STATS"):
+    _time_attaches()
     atexit.register(_write_stats, os.environ["AITK_JOB_STATS"])
