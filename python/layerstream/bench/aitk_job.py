@@ -12,8 +12,9 @@ AI-Toolkit checkout, into which layerstream is installed as README's "Use it in 
 
 Compared, stock against layerstream: exit status; the loss of every step (AI-Toolkit's own loss log,
 `logging.use_ui_logger`, full precision); the saved LoRA files (bytes); the sample images (pixels); that the
-log shows layerstream active. Reported: AI-Toolkit's s/it, time from start to the first step, peak host RSS and,
-on a GPU, peak VRAM. `--resume` stops the job after a save with Ctrl-C (SIGINT) and starts it again;
+log shows layerstream active. Reported: AI-Toolkit's s/it, the median step (from one logged step to the next:
+the training step without the samples and saves that the progress bar's moving average carries), time from start
+to the first step, the wall time of each MemoryManager.attach, peak host RSS and, on a GPU, peak VRAM. `--resume` stops the job after a save with Ctrl-C (SIGINT) and starts it again;
 `--ctrl-c step`/`save` stops it inside a training step or halfway through a checkpoint write and reports what
 of the saved files survived.
 
