@@ -66,10 +66,22 @@ def _saves(opts: JobOptions, name: str) -> set[str]:
     return {f"{name}{step}{expert}.safetensors" for step in steps for expert in experts}
 
 
-def _assert_same_outcome(opts: JobOptions, stock, ours):
+def _trainer_syncs_grads(ws: Workspace) -> bool:
+    """Whether this AI-Toolkit's SDTrainer calls sync_grad_transfers() every step (27a03a91 does, 323b4aaf not):
+    layerstream's per-step line comes from that call."""
+    trainer = ws.source / "extensions_built_in" / "sd_trainer" / "SDTrainer.py"
+    return trainer.is_file() and "sync_grad_transfers()" in trainer.read_text()
+
+
+def _assert_same_outcome(opts: JobOptions, stock, ours, ws: Workspace | None = None):
     _assert_complete(opts, stock, f"job_{opts.arch}")
     assert ACTIVE_LINE in ours.log, ours.log[-4000:]
     assert ACTIVE_LINE not in stock.log
+    assert stock.bus_gb_per_step is None
+    if ws is not None and _trainer_syncs_grads(ws):
+        # The harness's LAYERSTREAM_LOG_EVERY=1: layerstream's line for every step, with what it copied (0 GB
+        # once the default budget keeps a tiny model resident) and how long compute waited for copies.
+        assert ours.bus_gb_per_step is not None and ours.copy_wait_ms_per_step is not None, ours.log[-4000:]
     assert differences(stock, ours) == []
 
 
@@ -86,13 +98,13 @@ def test_job_layerstream_leaves_what_stock_leaves(workspace, arch):
     opts = ARCH_OPTIONS[arch]
     if arch == "flux2" and not (workspace.source / "extensions_built_in/diffusion_models/flux2").is_dir():
         pytest.skip(f"{workspace.source} has no FLUX.2 model class (AI-Toolkit 27a03a91 has)")
-    _assert_same_outcome(opts, *_both(workspace, opts, arch))
+    _assert_same_outcome(opts, *_both(workspace, opts, arch), workspace)
 
 
 @pytest.mark.parametrize("qtype", ["qfloat8", "uint4"])
 def test_quantized_job_layerstream_leaves_what_stock_leaves(workspace, qtype):
     opts = replace(ARCH_OPTIONS["zimage"], quantize=qtype)
-    _assert_same_outcome(opts, *_both(workspace, opts, f"zimage-{qtype}"))
+    _assert_same_outcome(opts, *_both(workspace, opts, f"zimage-{qtype}"), workspace)
 
 
 def test_comparison_fails_when_one_run_differs(workspace):

@@ -13,7 +13,8 @@ AI-Toolkit checkout, into which layerstream is installed as README's "Use it in 
 Compared, stock against layerstream: exit status; the loss of every step (AI-Toolkit's own loss log,
 `logging.use_ui_logger`, full precision); the saved LoRA files (bytes); the sample images (pixels); that the
 log shows layerstream active. Reported: AI-Toolkit's s/it, the median step (from one logged step to the next:
-the training step without the samples and saves that the progress bar's moving average carries), time from start
+the training step without the samples and saves that the progress bar's moving average carries, where most
+steps have neither), time from start
 to the first step, the wall time of each MemoryManager.attach, peak host RSS and, on a GPU, peak VRAM. `--resume` stops the job after a save with Ctrl-C (SIGINT) and starts it again;
 `--ctrl-c step`/`save` stops it inside a training step or halfway through a checkpoint write and reports what
 of the saved files survived.
@@ -86,11 +87,17 @@ class RunResult:
     s_per_it: float | None = None
     first_step_s: float | None = None
     last_step_s: float | None = None
-    # The median time from one logged step to the next (AI-Toolkit's loss_log.db): the training step alone, where
-    # AI-Toolkit's s/it (a moving average of its progress bar) also carries the samples and saves between steps.
+    # The median time from one logged step to the next (AI-Toolkit's loss_log.db): the training step alone where
+    # most steps neither sample nor save; AI-Toolkit's s/it (a moving average of its progress bar) also carries
+    # the samples and saves between steps.
     median_step_s: float | None = None
     # MemoryManager.attach's outermost calls (the transformer, each text encoder): module class and wall seconds.
     attaches: list = field(default_factory=list)
+    # layerstream's per-step line in the job's log (LAYERSTREAM_LOG_EVERY=1, which the harness sets for its
+    # runs): the medians over the logged steps of the bytes copied to the device and of the time compute waited
+    # for copies (LAYERSTREAM_TIME_WAITS=1); None for stock.
+    bus_gb_per_step: float | None = None
+    copy_wait_ms_per_step: float | None = None
     log: str = ""
     second: RunResult | None = None  # the job run.py ran next in the same process (--second-job)
     # Stopped with SIGINT where the job paused (run_engine's ``pause``): where, and the sha256 of every saved file
@@ -213,6 +220,10 @@ def job_env(engine: str, opts: JobOptions, stubs: Path | None, stats_file: Path,
         env["LAYERSTREAM"] = "0"
     else:
         env.pop("LAYERSTREAM", None)
+        # layerstream's line per optimizer step (what it copied, how long compute waited for copies: a few
+        # microseconds a layer call to time) in the job's log, unless the caller set these.
+        env.setdefault("LAYERSTREAM_LOG_EVERY", "1")
+        env.setdefault("LAYERSTREAM_TIME_WAITS", "1")
         if opts.device == "cpu":
             env.setdefault("LAYERSTREAM_BACKEND", "sim")  # the simulator stands in for the GPU's copies
     return env
@@ -324,6 +335,27 @@ def parse_log(text: str) -> tuple[float | None, bool]:
     return s_per_it, ACTIVE_LINE in text
 
 
+NUMBER = r"([0-9][0-9.eE+-]*)"
+STEP_LINE = re.compile(r"layerstream, per step over the last [0-9]+ steps .*? copies \(" + NUMBER + r" GB, ")
+WAIT = re.compile(r"compute waited " + NUMBER + r" ms for copies")
+
+
+def step_telemetry(text: str) -> tuple[float | None, float | None]:
+    """The medians of layerstream's per-step lines in a job's log (LAYERSTREAM_LOG_EVERY=1): GB copied to the
+    device per step, and ms compute waited for copies per step (None where the lines do not say)."""
+    copied, waited = [], []
+    for line in text.splitlines():
+        step = STEP_LINE.search(line)
+        if step is None:
+            continue
+        copied.append(float(step.group(1)))
+        wait = WAIT.search(line)
+        if wait is not None:
+            waited.append(float(wait.group(1)))
+    return (float(statistics.median(copied)) if copied else None,
+            float(statistics.median(waited)) if waited else None)
+
+
 def collect(engine: str, save_root: Path, log_path: Path, stats_file: Path, code: int, rss: int,
             start: float) -> RunResult:
     log = log_path.read_text(errors="replace")
@@ -331,6 +363,7 @@ def collect(engine: str, save_root: Path, log_path: Path, stats_file: Path, code
     result = RunResult(engine=engine, returncode=code, wall_s=time.time() - start, losses=read_losses(save_root),
                        loras=read_loras(save_root), samples=read_samples(save_root), active=active,
                        peak_rss_bytes=rss, s_per_it=s_per_it, log=log)
+    result.bus_gb_per_step, result.copy_wait_ms_per_step = step_telemetry(log)
     if stats_file.is_file():
         stats = json.loads(stats_file.read_text() or "{}")
         result.peak_vram_allocated = stats.get("peak_vram_allocated")

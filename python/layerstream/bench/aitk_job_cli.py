@@ -23,7 +23,8 @@ def summary_row(opts: JobOptions, r: RunResult) -> str:
     attach = " + ".join(f"{a['module']} {a['seconds']:.1f}" for a in r.attaches)
     return (f"| {opts.arch} | {opts.size} | {opts.quantize} | {r.engine} | {r.returncode} | {len(r.losses)} | "
             f"{fmt(r.s_per_it, '.3f')} | {fmt(r.median_step_s, '.3f')} | {fmt(r.first_step_s, '.1f')} | {attach} | "
-            f"{vram} | {r.peak_rss_bytes / gib:.2f} | "
+            f"{vram} | {r.peak_rss_bytes / gib:.2f} | {fmt(r.bus_gb_per_step, '.3g')} | "
+            f"{fmt(r.copy_wait_ms_per_step, '.0f')} | "
             f"{'yes' if r.active else 'no'} |")
 
 
@@ -172,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   DIFFERENT {arch}: {problem}", flush=True)
         failed += bool(problems)
     print("| arch | size | quantize | engine | exit | steps logged | s/it (AI-Toolkit) | median step s | "
-          "start to first step s | attach s | peak VRAM GiB | peak RSS GiB | layerstream active |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "start to first step s | attach s | peak VRAM GiB | peak RSS GiB | GB copied per step | compute waited ms "
+          "per step | layerstream active |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "results": results}, default=str) + "\n")
