@@ -73,12 +73,12 @@ def _trainer_syncs_grads(ws: Workspace) -> bool:
     return trainer.is_file() and "sync_grad_transfers()" in trainer.read_text()
 
 
-def _assert_same_outcome(opts: JobOptions, stock, ours, ws: Workspace | None = None):
+def _assert_same_outcome(opts: JobOptions, stock, ours, ws: Workspace):
     _assert_complete(opts, stock, f"job_{opts.arch}")
     assert ACTIVE_LINE in ours.log, ours.log[-4000:]
     assert ACTIVE_LINE not in stock.log
     assert stock.bus_gb_per_step is None
-    if ws is not None and _trainer_syncs_grads(ws):
+    if _trainer_syncs_grads(ws):
         # The harness's LAYERSTREAM_LOG_EVERY=1: layerstream's line for every step, with what it copied (0 GB
         # once the default budget keeps a tiny model resident) and how long compute waited for copies.
         assert ours.bus_gb_per_step is not None and ours.copy_wait_ms_per_step is not None, ours.log[-4000:]

@@ -14,8 +14,9 @@ Compared, stock against layerstream: exit status; the loss of every step (AI-Too
 `logging.use_ui_logger`, full precision); the saved LoRA files (bytes); the sample images (pixels); that the
 log shows layerstream active. Reported: AI-Toolkit's s/it, the median step (from one logged step to the next:
 the training step without the samples and saves that the progress bar's moving average carries, where most
-steps have neither), time from start
-to the first step, the wall time of each MemoryManager.attach, peak host RSS and, on a GPU, peak VRAM. `--resume` stops the job after a save with Ctrl-C (SIGINT) and starts it again;
+steps have neither), time from start to the first step, the wall time of each MemoryManager.attach, peak host
+RSS, on a GPU peak VRAM, and for layerstream the medians of its per-step log line (GB copied to the device, ms
+compute waited for copies). `--resume` stops the job after a save with Ctrl-C (SIGINT) and starts it again;
 `--ctrl-c step`/`save` stops it inside a training step or halfway through a checkpoint write and reports what
 of the saved files survived.
 
