@@ -377,6 +377,9 @@ if want aitkjob; then
     for lg in ${wd:+"$wd"/runs/*/run.log}; do
       [[ -e $lg ]] && tail -n 400 "$lg" >"$OUT/aitkjob$n-$(basename "$(dirname "$lg")").log"
     done
+    for pf in ${wd:+"$wd"/runs/*/profile.txt}; do  # --profile: where the samples' and steps' time went
+      [[ -e $pf ]] && cp "$pf" "$OUT/aitkjob$n-$(basename "$(dirname "$pf")").profile.txt"
+    done
     sed -n '/^| arch/,/^$/p' "$OUT/all.log" | tail -n 6 | sed 's/^/      /' >>"$OUT/summary.txt"
   done
 fi

@@ -57,6 +57,10 @@ def _assert_complete(opts: JobOptions, run, name: str):
     assert 0 < run.median_step_s <= run.last_step_s - run.first_step_s, (run.median_step_s, run.first_step_s)
     # layer_offloading attaches the transformer (and the text encoder) through MemoryManager.attach, timed.
     assert run.attaches and all(a["seconds"] > 0 for a in run.attaches), run.attaches
+    # The trainer's sample() once per sample step (the first before step 1), save() once per LoRA saved, timed.
+    assert len(run.sample_s) == len(range(0, opts.steps + 1, opts.sample_every)), run.sample_s
+    assert len(run.save_s) == len(range(opts.save_every, opts.steps, opts.save_every)) + 1, run.save_s
+    assert all(t > 0 for t in run.sample_s + run.save_s), (run.sample_s, run.save_s)
 
 
 def _saves(opts: JobOptions, name: str) -> set[str]:
@@ -98,7 +102,17 @@ def test_job_layerstream_leaves_what_stock_leaves(workspace, arch):
     opts = ARCH_OPTIONS[arch]
     if arch == "flux2" and not (workspace.source / "extensions_built_in/diffusion_models/flux2").is_dir():
         pytest.skip(f"{workspace.source} has no FLUX.2 model class (AI-Toolkit 27a03a91 has)")
-    _assert_same_outcome(opts, *_both(workspace, opts, arch), workspace)
+    profile = arch == "qwen_image"  # one job under --profile: the profiler changes nothing it computes
+    stock, ours = _both(workspace, opts, arch, profile=profile)
+    _assert_same_outcome(opts, stock, ours, workspace)
+    if profile:
+        for run in (stock, ours):
+            text = (workspace.root / "runs" / f"{arch}-{run.engine}" / "profile.txt").read_text()
+            # Both phases, each by cumulative and by own time, the profiled functions among their rows.
+            assert [line for line in text.splitlines() if line.startswith("====")] == [
+                "==== sample: by cumulative time", "==== sample: by own time",
+                "==== training step: by cumulative time", "==== training step: by own time"], text[:2000]
+            assert "(sample)" in text and "(hook_train_loop)" in text, text[:4000]
 
 
 @pytest.mark.parametrize("qtype", ["qfloat8", "uint4"])

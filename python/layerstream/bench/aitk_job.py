@@ -94,6 +94,10 @@ class RunResult:
     median_step_s: float | None = None
     # MemoryManager.attach's outermost calls (the transformer, each text encoder): module class and wall seconds.
     attaches: list = field(default_factory=list)
+    # Wall seconds of each call of the trainer's sample() (the first one before the first step included) and
+    # save() (each checkpoint save), stock's and layerstream's alike.
+    sample_s: list = field(default_factory=list)
+    save_s: list = field(default_factory=list)
     # layerstream's per-step line in the job's log (LAYERSTREAM_LOG_EVERY=1, which the harness sets for its
     # runs): the medians over the logged steps of the bytes copied to the device and of the time compute waited
     # for copies (LAYERSTREAM_TIME_WAITS=1); None for stock.
@@ -202,7 +206,8 @@ def prepare_checkout(source: Path, dest: Path, python: str = sys.executable) -> 
 
 
 def job_env(engine: str, opts: JobOptions, stubs: Path | None, stats_file: Path, cap_gb: float | None,
-            hub_cache: Path, deterministic: bool = False, model: Path | None = None) -> dict:
+            hub_cache: Path, deterministic: bool = False, model: Path | None = None,
+            profile: Path | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AITK_JOB_")}
     paths = [str(SITE_DIR)] + ([str(stubs)] if stubs else []) + [p for p in [env.get("PYTHONPATH")] if p]
     # Offline, with a hub cache that holds only what the model folder serves for fixed repo ids (aitk_models).
@@ -215,6 +220,8 @@ def job_env(engine: str, opts: JobOptions, stubs: Path | None, stats_file: Path,
         env["AITK_JOB_CAP_GB"] = str(cap_gb)
     if deterministic:
         env.update(AITK_JOB_DETERMINISTIC="1", CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    if profile is not None:
+        env["AITK_JOB_PROFILE"] = str(profile)
     if model is not None and (model / "flux2_params.json").is_file():  # FLUX.2's sizes (aitk_flux2.py)
         env["AITK_JOB_FLUX2_PARAMS"] = str(model / "flux2_params.json")
     if engine == "stock":
@@ -370,6 +377,7 @@ def collect(engine: str, save_root: Path, log_path: Path, stats_file: Path, code
         result.peak_vram_allocated = stats.get("peak_vram_allocated")
         result.peak_vram_reserved = stats.get("peak_vram_reserved")
         result.attaches = stats.get("attach", [])
+        result.sample_s, result.save_s = stats.get("sample", []), stats.get("save", [])
     db = save_root / "loss_log.db"
     if db.is_file():
         with sqlite3.connect(db) as con:
@@ -447,13 +455,14 @@ class Workspace:
 
 def run_engine(ws: Workspace, opts: JobOptions, engine: str, run_name: str, cap_gb: float | None = None,
                interrupt_after_save: int | None = None, second_job: bool = False,
-               deterministic: bool = False, pause: str | None = None) -> RunResult:
+               deterministic: bool = False, pause: str | None = None, profile: bool = False) -> RunResult:
     """One run of the job; ``run_name`` names its training folder, so a second call with the same name resumes
     it (AI-Toolkit continues from the newest save there). ``interrupt_after_save``: SIGINT once the save of that
     step is on disk (LoRA and optimizer state). ``second_job``: run.py is given a second job (the same one under
     another name) that it starts in the same process when the first is done. ``pause``: SIGINT where the job
     waits for it (``step:N`` inside the training step after N optimizer steps, ``save:N`` halfway through the
-    Nth write of optimizer.pt: aitk_site's AITK_JOB_PAUSE); the result's ``paused`` has the files before."""
+    Nth write of optimizer.pt: aitk_site's AITK_JOB_PAUSE); the result's ``paused`` has the files before.
+    ``profile``: profile.txt in the run's folder, Python's profile of its samples and training steps."""
     checkout, model, data = ws.checkout(), ws.model(opts), ws.dataset(opts)
     training = ws.root / "runs" / run_name
     training.mkdir(parents=True, exist_ok=True)
@@ -482,7 +491,8 @@ def run_engine(ws: Workspace, opts: JobOptions, engine: str, run_name: str, cap_
             return marker >= 0 and "Saved optimizer to" in text[marker:]
 
     hub_cache = seed_hub_cache(ws.root / "hub-cache", model)
-    env = job_env(engine, opts, ws.stubs, stats, cap_gb, hub_cache, deterministic, model)
+    env = job_env(engine, opts, ws.stubs, stats, cap_gb, hub_cache, deterministic, model,
+                  training / "profile.txt" if profile else None)
     marker = training / f"paused-{int(time.time() * 1000)}.json"
     if pause is not None:
         env.update(AITK_JOB_PAUSE=pause, AITK_JOB_PAUSE_FILE=str(marker), AITK_JOB_PAUSE_DIR=str(save_root))

@@ -21,9 +21,10 @@ def summary_row(opts: JobOptions, r: RunResult) -> str:
     vram = "" if r.peak_vram_allocated is None else f"{r.peak_vram_allocated / gib:.2f}"
     fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
     attach = " + ".join(f"{a['module']} {a['seconds']:.1f}" for a in r.attaches)
+    each = lambda times: " + ".join(f"{t:.1f}" for t in times)  # noqa: E731
     return (f"| {opts.arch} | {opts.size} | {opts.quantize} | {r.engine} | {r.returncode} | {len(r.losses)} | "
             f"{fmt(r.s_per_it, '.3f')} | {fmt(r.median_step_s, '.3f')} | {fmt(r.first_step_s, '.1f')} | {attach} | "
-            f"{vram} | {r.peak_rss_bytes / gib:.2f} | {fmt(r.bus_gb_per_step, '.3g')} | "
+            f"{each(r.sample_s)} | {each(r.save_s)} | {r.wall_s:.1f} | {vram} | {r.peak_rss_bytes / gib:.2f} | {fmt(r.bus_gb_per_step, '.3g')} | "
             f"{fmt(r.copy_wait_ms_per_step, '.0f')} | "
             f"{'yes' if r.active else 'no'} |")
 
@@ -74,6 +75,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "process when the first ends; its outcome is compared too")
     parser.add_argument("--stubs", help="a folder put on PYTHONPATH of the jobs (tests/aitk_stubs: stand-ins for "
                                         "AI-Toolkit imports that cannot install here)")
+    parser.add_argument("--profile", action="store_true",
+                        help="write profile.txt in each run's folder: Python's profile (cProfile) of the trainer's "
+                             "sample() calls after the first and of its training steps after the second")
     parser.add_argument("--workdir", help="keep everything here (default: a new temporary folder, removed)")
     parser.add_argument("--json-out")
     args = parser.parse_args(argv)
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         for engine in engines:
             print(f"== {arch} {engine}", flush=True)
             run = run_engine(ws, opts, engine, f"{arch}-{engine}{tag}", cap_gb=args.cap_gb,
-                             second_job=args.second_job, deterministic=args.deterministic)
+                             second_job=args.second_job, deterministic=args.deterministic, profile=args.profile)
             runs[engine] = run
             rows.append(summary_row(opts, run))
             if run.second is not None:
@@ -173,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   DIFFERENT {arch}: {problem}", flush=True)
         failed += bool(problems)
     print("| arch | size | quantize | engine | exit | steps logged | s/it (AI-Toolkit) | median step s | "
-          "start to first step s | attach s | peak VRAM GiB | peak RSS GiB | GB copied per step | compute waited ms "
-          "per step | layerstream active |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "start to first step s | attach s | sample s | save s | wall s | peak VRAM GiB | peak RSS GiB | GB copied per "
+          "step | compute waited ms per step | layerstream active |")
+    print("|---" * 18 + "|")
     print("\n".join(rows))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "results": results}, default=str) + "\n")

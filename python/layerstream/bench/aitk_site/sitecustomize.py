@@ -4,9 +4,14 @@ PYTHONPATH; AI-Toolkit's files stay as they are. It does what a job cannot do fr
   AITK_JOB_CAP_GB     caps the process's VRAM (torch.cuda.set_per_process_memory_fraction) from the moment
                              the first optimizer is made: after the model is loaded and placed, before the first
                              sample and step, as a card of that size would have it during training;
-  AITK_JOB_STATS      a JSON file written at exit: peak VRAM allocated and reserved (where CUDA was used) and
-                             the wall time of each outermost MemoryManager.attach call (stock's and layerstream's
-                             alike: AI-Toolkit's manager.py calls it for the transformer and each text encoder);
+  AITK_JOB_STATS      a JSON file written at exit: peak VRAM allocated and reserved (where CUDA was used), the
+                             wall time of each outermost MemoryManager.attach call (stock's and layerstream's
+                             alike: AI-Toolkit's manager.py calls it for the transformer and each text encoder) and
+                             of each call of the trainer's sample() and save() (BaseSDTrainProcess's: the samples
+                             and checkpoint saves between steps, and the first sample before the first step);
+  AITK_JOB_PROFILE    a text file written at exit: Python's cProfile of the trainer's sample() calls after the
+                             first and of its training steps (SDTrainer.hook_train_loop) after the second, the
+                             functions that took the most time, for where a job's time goes;
   AITK_JOB_DETERMINISTIC=1   torch.use_deterministic_algorithms(True), for bitwise comparisons on a GPU;
   AITK_JOB_FLUX2_PARAMS      a JSON file of FLUX.2's transformer and VAE sizes (aitk_flux2.py), which AI-Toolkit's
                              Flux2Model then builds instead of its fixed ones;
@@ -61,33 +66,100 @@ def _cap_at_first_optimizer(cap_bytes: float) -> None:
 
 
 _ATTACHES: list = []  # {"module": class name, "seconds": wall time} per outermost MemoryManager.attach
+_PHASES: dict = {"sample": [], "save": []}  # wall seconds of each outermost call of the trainer's sample / save
 
 
-def _time_attaches() -> None:
+def _time_outermost(function, record):
+    """``function`` wrapped to call ``record(args, seconds)`` after each outermost call (a call made from inside
+    another is part of it: manager.py attaches a model's children through attach itself)."""
+    import functools
     import time
 
-    def patch(module):
+    depth = [0]
+
+    @functools.wraps(function)
+    def timed(*args, **kwargs):
+        depth[0] += 1
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+            if depth[0] == 0:
+                record(args, time.perf_counter() - start)
+
+    return timed
+
+
+def _time_phases() -> None:
+    def patch_manager(module):
         manager = module.MemoryManager
-        original = manager.__dict__["attach"].__func__
-        depth = [0]
-
-        def attach(cls, target, *args, **kwargs):
-            depth[0] += 1  # manager.py attaches a model's children through this same method
-            start = time.perf_counter()
-            try:
-                return original(cls, target, *args, **kwargs)
-            finally:
-                depth[0] -= 1
-                if depth[0] == 0:
-                    _ATTACHES.append({"module": type(target).__name__, "seconds": time.perf_counter() - start})
-
+        attach = _time_outermost(manager.__dict__["attach"].__func__, lambda args, seconds: _ATTACHES.append(
+            {"module": type(args[1]).__name__, "seconds": seconds}))
         manager.attach = classmethod(attach)
 
-    _after_import("toolkit.memory_management.manager", patch)
+    def patch_trainer(module):
+        trainer = module.BaseSDTrainProcess
+        for name, times in _PHASES.items():
+            setattr(trainer, name, _time_outermost(getattr(trainer, name),
+                                                   lambda args, seconds, times=times: times.append(seconds)))
+
+    _after_import("toolkit.memory_management.manager", patch_manager)
+    _after_import("jobs.process.BaseSDTrainProcess", patch_trainer)
+
+
+_PROFILES: dict = {}  # "sample" / "training step" -> cProfile.Profile
+
+
+def _profiled(function, name: str, skip: int):
+    """``function`` run under the cProfile.Profile _PROFILES[name] from its (skip+1)th call on (the first calls
+    warm up: kernels chosen, buffers made)."""
+    import cProfile
+    import functools
+
+    profile, calls = _PROFILES.setdefault(name, cProfile.Profile()), [0]
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] <= skip:
+            return function(*args, **kwargs)
+        profile.enable()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            profile.disable()
+
+    return run
+
+
+def _profile_phases(path: str) -> None:
+    def patch_trainer(module):
+        trainer = module.BaseSDTrainProcess
+        trainer.sample = _profiled(trainer.sample, "sample", skip=1)
+
+    def patch_sd_trainer(module):
+        trainer = module.SDTrainer
+        trainer.hook_train_loop = _profiled(trainer.hook_train_loop, "training step", skip=2)
+
+    def write():
+        import io
+        import pstats
+
+        with open(path, "w") as f:
+            for name, profile in _PROFILES.items():
+                for order, label, count in (("cumulative", "cumulative time", 40), ("tottime", "own time", 25)):
+                    text = io.StringIO()
+                    pstats.Stats(profile, stream=text).sort_stats(order).print_stats(count)
+                    f.write(f"==== {name}: by {label}\n{text.getvalue()}\n")
+
+    _after_import("jobs.process.BaseSDTrainProcess", patch_trainer)
+    _after_import("extensions_built_in.sd_trainer.SDTrainer", patch_sd_trainer)
+    atexit.register(write)
 
 
 def _write_stats(path: str) -> None:
-    stats = {"attach": _ATTACHES}
+    stats = {"attach": _ATTACHES, **_PHASES}
     try:
         import sys
 
@@ -222,5 +294,7 @@ if os.environ.get("AITK_JOB_DETERMINISTIC") == "1":
 
     torch.use_deterministic_algorithms(True)
 if os.environ.get("AITK_JOB_STATS"):
-    _time_attaches()
+    _time_phases()
     atexit.register(_write_stats, os.environ["AITK_JOB_STATS"])
+if os.environ.get("AITK_JOB_PROFILE"):
+    _profile_phases(os.environ["AITK_JOB_PROFILE"])
