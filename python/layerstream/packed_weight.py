@@ -11,6 +11,8 @@ drops it again:
 * reads (``.data``, ``clone()``, ``to()``, arithmetic, ``torch.equal``, ``state_dict()``, ``torch.save``,
   ``copy.deepcopy``): a temporary decoded tensor for that one operation, never kept (saving writes a plain
   tensor; loading it back into a managed model packs it again at the next use);
+* ``w.data = w`` (or an alias of it: ``nn.Module._apply`` after a ``to()`` that changed nothing, the
+  weight's own dtype or the host): nothing happens, the weight stays packed;
 * writes (``copy_``, in-place ops, ``w[...] = v``, writes through ``w.data``): the weight becomes plain
   again, exact, inside the subclass; the managed layer's next use turns the Parameter back into a plain
   one and packs it anew (views taken from it, e.g. ``w.view(-1)``, are views of a temporary: write
@@ -128,6 +130,11 @@ class PackedWeight(torch.Tensor):
             # w.data = v (nn.Module._apply moving it, a loader): the object takes v's metadata as a plain
             # tensor would (set_data), and from now on its values are v's.
             target, value = args[0], args[1]
+            if isinstance(value, PackedWeight) and value._ls_packed is target._ls_packed:
+                # Its own bytes again: a to() that changed nothing (the weight's dtype, the host), after which
+                # _apply assigns the result to .data (AI-Toolkit moves its models so around every sample). It
+                # stays packed: nothing to decode, nothing to pack again.
+                return None
             with torch._C.DisableTorchFunctionSubclass():
                 func(*args, **kwargs)
             state = target._ls_packed

@@ -282,6 +282,38 @@ def test_copying_a_weight_into_itself_and_assigning_data_keep_the_values(lossles
     assert layer.weight is w and type(w) is PackedWeight and torch.equal(w, replacement)
 
 
+@pytest.mark.parametrize("how", ["dtype", "host", "alias"])
+def test_a_move_that_changes_nothing_decodes_nothing_and_keeps_it_packed(lossless, device, monkeypatch, how):
+    """AI-Toolkit moves its models to their own dtype around every sample (its manager's to() calls the model's
+    original to(dtype=...)): nn.Module._apply then assigns each weight to its own .data. That must leave the
+    weight packed, decode nothing and give the layer nothing to pack again; the outputs stay the unmanaged
+    model's."""
+    model = _model()
+    reference = copy.deepcopy(model).to(device)
+    ContractManager.attach(mm, model, device).to_device()
+    weights = [m.weight for m in _linears(model)]
+    writes = [w._ls_packed.writes for w in weights]
+    decoded = []
+    unpack = mm._packed.unpack
+    monkeypatch.setattr(mm._packed, "unpack", lambda *a: decoded.append(a[2]) or unpack(*a))
+    if how == "dtype":
+        torch.nn.Module.to(model, dtype=torch.bfloat16)
+    elif how == "host":
+        for m in _linears(model):
+            torch.nn.Module.to(m, "cpu")
+    else:
+        for w in weights:
+            w.data = w.data
+    assert decoded == []
+    assert all(type(w) is PackedWeight and w._ls_packed.plain is None for w in weights)
+    assert [w._ls_packed.writes for w in weights] == writes
+    assert [m.weight for m in _linears(model)] == weights
+    with torch.no_grad():
+        x = torch.randn(2, 5, 64, dtype=torch.bfloat16, device=device)
+        assert torch.equal(model(x), reference(x))
+    assert decoded == [] and all(w._ls_packed.plain is None for w in weights)
+
+
 def test_a_model_detached_then_attached_without_lossless_is_stored_plain(lossless, device, monkeypatch):
     model = _model()
     reference = copy.deepcopy(model).to(device)
