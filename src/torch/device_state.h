@@ -139,8 +139,10 @@ class DeviceState : public std::enable_shared_from_this<DeviceState> {
   // StreamedLayer::with_region), so a copy made ahead of need would be dropped unused: none is made.
   void note_use(LayerId layer, bool fresh_each_use = false);
   // Called once per layer registered in the engine: keeps it resident on the device while the
-  // LAYERSTREAM_RESIDENT_MB budget lasts (first come, first kept: forward order), streams it otherwise.
-  void consider_residency(TransferEngine& engine, LayerId layer, std::size_t bytes);
+  // LAYERSTREAM_RESIDENT_MB budget lasts (first come, first kept: forward order), where the budget's plan
+  // names its block, or where the layer held a resident copy of `resident_before` bytes until it was packed
+  // again into a new block of no more bytes; streams it otherwise.
+  void consider_residency(TransferEngine& engine, LayerId layer, std::size_t bytes, std::size_t resident_before = 0);
 
   // LAYERSTREAM_VRAM_BUDGET: once the order of layer uses has repeated (the first step is over, so its
   // peak memory is known), layers within budget - peak - headroom stay on the device for good, spread

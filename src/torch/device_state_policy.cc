@@ -215,11 +215,14 @@ void DeviceState::remake_resident_locked(LayerId layer, bool training) {
   budget_.on_yielded(freed, /*between_steps=*/true, BudgetController::kUnknown);
 }
 
-void DeviceState::consider_residency(TransferEngine& engine, LayerId layer, std::size_t bytes) {
+void DeviceState::consider_residency(TransferEngine& engine, LayerId layer, std::size_t bytes,
+                                     std::size_t resident_before) {
   std::lock_guard<std::mutex> lock(mu_);
   // The VRAM budget's plan, carried over a rebuild for its ring, or LAYERSTREAM_RESIDENT_MB (first come, first
-  // kept); false from make_resident (no device room) leaves it streaming.
-  if (budget_.keep_on_register(engine.host_block(layer).data, engine.stats().resident_bytes, bytes)) {
+  // kept), or the layer's own place when it was resident before it was packed again and needs no more now;
+  // false from make_resident (no device room) leaves it streaming.
+  const bool kept_before = resident_before != 0 && bytes <= resident_before;  // block bytes, as remove_layer counts
+  if (kept_before || budget_.keep_on_register(engine.host_block(layer).data, engine.stats().resident_bytes, bytes)) {
     engine.make_resident(layer);
   }
 }

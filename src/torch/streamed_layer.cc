@@ -181,7 +181,11 @@ std::shared_ptr<HostBlockRef> StreamedLayer::new_block(const std::vector<std::pa
 
 void StreamedLayer::install(std::shared_ptr<HostBlockRef> block, const StoredForm* form, Packed w, Packed b,
                             std::optional<QuantParts> q) {
-  if (TransferEngine* engine = engine_if_registered()) engine->remove_layer(registered_.id);
+  // A resident layer packed again keeps its place on the device (the plan chose the layer, not its block);
+  // a trainable one streams, copied fresh at every use.
+  TransferEngine* engine = engine_if_registered();
+  const std::size_t resident = engine != nullptr ? engine->remove_layer(registered_.id) : 0;
+  registered_.resident_before = fresh_each_use_.load(std::memory_order_relaxed) ? 0 : resident;
   registered_.id = 0;
   registered_.generation = 0;
   block_.ref = std::move(block);
@@ -202,7 +206,8 @@ TransferEngine& StreamedLayer::registered_engine() {
   if (registered_.id == 0 || registered_.generation != state_->generation()) {
     registered_.id = engine.add_external_layer(block_.ref->block(), registered_.scratch, fill_hook_locked());
     registered_.generation = state_->generation();
-    state_->consider_residency(engine, registered_.id, block_.ref->block().bytes);
+    state_->consider_residency(engine, registered_.id, block_.ref->block().bytes, registered_.resident_before);
+    registered_.resident_before = 0;
   }
   return engine;
 }

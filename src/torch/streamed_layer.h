@@ -324,6 +324,10 @@ class StreamedLayer : public torch::CustomClassHolder {
     std::uint64_t generation = 0;  // engine generation the layer is registered in
     LayerId id = 0;
     std::size_t scratch = 0;  // scratch_bytes_locked() of the current block, asked of the engine
+    // The resident bytes (its block's) the layer held when install() took it out to pack it again (a weight
+    // replaced or written after the budget planned), else 0: registered_engine() makes the new block
+    // resident in its place where it needs no more than that.
+    std::size_t resident_before = 0;
   };
   // dequantize_in_scratch(): the copy (Lease::fill) whose codes the scratch holds dequantized, and the
   // stream that wrote them. Guarded by `mu`, held while the write is enqueued.
