@@ -115,6 +115,20 @@ def test_job_layerstream_leaves_what_stock_leaves(workspace, arch):
             assert "(sample)" in text and "(hook_train_loop)" in text, text[:4000]
 
 
+def test_lossless_zimage_job_leaves_what_stock_leaves_and_samples_keep_the_weights_packed(workspace, monkeypatch):
+    """LAYERSTREAM_HOST_DTYPE=lossless (the default's form for frozen bf16 weights of 1 MiB or more; here every
+    one, the tiny model's are smaller) in AI-Toolkit's own flow: its samples move the transformer to its own
+    dtype (MemoryManager's to() calls the model's to(dtype=...)), which must leave each packed weight packed,
+    not decoded for good and packed again; and every outcome is stock's."""
+    monkeypatch.setenv("LAYERSTREAM_HOST_DTYPE", "lossless")
+    opts = ARCH_OPTIONS["zimage"]
+    stock, ours = _both(workspace, opts, "zimage-lossless")
+    _assert_same_outcome(opts, stock, ours, workspace)
+    assert len(ours.packed_after_sample) == len(stock.packed_after_sample) == len(ours.sample_s)
+    assert all(count == [0, 0] for count in stock.packed_after_sample), stock.packed_after_sample
+    assert all(packed > 0 and plain == 0 for packed, plain in ours.packed_after_sample), ours.packed_after_sample
+
+
 @pytest.mark.parametrize("qtype", ["qfloat8", "uint4"])
 def test_quantized_job_layerstream_leaves_what_stock_leaves(workspace, qtype):
     opts = replace(ARCH_OPTIONS["zimage"], quantize=qtype)

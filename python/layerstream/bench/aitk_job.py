@@ -98,6 +98,9 @@ class RunResult:
     # save() (each checkpoint save), stock's and layerstream's alike.
     sample_s: list = field(default_factory=list)
     save_s: list = field(default_factory=list)
+    # After each sample: [the transformer's PackedWeights (layerstream's lossless host storage), how many of them
+    # hold plain values], or None where the trainer has no transformer to count.
+    packed_after_sample: list = field(default_factory=list)
     # layerstream's per-step line in the job's log (LAYERSTREAM_LOG_EVERY=1, which the harness sets for its
     # runs): the medians over the logged steps of the bytes copied to the device and of the time compute waited
     # for copies (LAYERSTREAM_TIME_WAITS=1); None for stock.
@@ -378,6 +381,7 @@ def collect(engine: str, save_root: Path, log_path: Path, stats_file: Path, code
         result.peak_vram_reserved = stats.get("peak_vram_reserved")
         result.attaches = stats.get("attach", [])
         result.sample_s, result.save_s = stats.get("sample", []), stats.get("save", [])
+        result.packed_after_sample = stats.get("packed_after_sample", [])
     db = save_root / "loss_log.db"
     if db.is_file():
         with sqlite3.connect(db) as con:

@@ -8,7 +8,9 @@ PYTHONPATH; AI-Toolkit's files stay as they are. It does what a job cannot do fr
                              wall time of each outermost MemoryManager.attach call (stock's and layerstream's
                              alike: AI-Toolkit's manager.py calls it for the transformer and each text encoder) and
                              of each call of the trainer's sample() and save() (BaseSDTrainProcess's: the samples
-                             and checkpoint saves between steps, and the first sample before the first step);
+                             and checkpoint saves between steps, and the first sample before the first step),
+                             and after each sample how many transformer weights are PackedWeights (lossless host
+                             storage) and how many of those a sample left holding plain values;
   AITK_JOB_PROFILE    a text file written at exit: Python's cProfile of the trainer's sample() calls after the
                              first and of its training steps (SDTrainer.hook_train_loop) after the second, the
                              functions that took the most time, for where a job's time goes;
@@ -67,6 +69,17 @@ def _cap_at_first_optimizer(cap_bytes: float) -> None:
 
 _ATTACHES: list = []  # {"module": class name, "seconds": wall time} per outermost MemoryManager.attach
 _PHASES: dict = {"sample": [], "save": []}  # wall seconds of each outermost call of the trainer's sample / save
+_PACKED: list = []  # after each sample: [PackedWeights in the transformer, how many of them hold plain values]
+
+
+def _packed_weights(trainer) -> list | None:
+    """How many of the trainer's transformer weights are layerstream's PackedWeights (lossless host storage),
+    and how many of those hold plain values (written, or decoded for good: packed again at their next use)."""
+    transformer = getattr(getattr(trainer, "sd", None), "unet", None)
+    if transformer is None:
+        return None
+    packed = [p for p in transformer.parameters() if type(p).__name__ == "PackedWeight"]
+    return [len(packed), sum(p._ls_packed.plain is not None for p in packed)]
 
 
 def _time_outermost(function, record):
@@ -98,11 +111,14 @@ def _time_phases() -> None:
             {"module": type(args[1]).__name__, "seconds": seconds}))
         manager.attach = classmethod(attach)
 
+    def after_sample(args, seconds):
+        _PHASES["sample"].append(seconds)
+        _PACKED.append(_packed_weights(args[0]))
+
     def patch_trainer(module):
         trainer = module.BaseSDTrainProcess
-        for name, times in _PHASES.items():
-            setattr(trainer, name, _time_outermost(getattr(trainer, name),
-                                                   lambda args, seconds, times=times: times.append(seconds)))
+        trainer.sample = _time_outermost(trainer.sample, after_sample)
+        trainer.save = _time_outermost(trainer.save, lambda args, seconds: _PHASES["save"].append(seconds))
 
     _after_import("toolkit.memory_management.manager", patch_manager)
     _after_import("jobs.process.BaseSDTrainProcess", patch_trainer)
@@ -159,7 +175,7 @@ def _profile_phases(path: str) -> None:
 
 
 def _write_stats(path: str) -> None:
-    stats = {"attach": _ATTACHES, **_PHASES}
+    stats = {"attach": _ATTACHES, **_PHASES, "packed_after_sample": _PACKED}
     try:
         import sys
 
