@@ -24,7 +24,8 @@ def summary_row(opts: JobOptions, r: RunResult) -> str:
     each = lambda times: " + ".join(f"{t:.1f}" for t in times)  # noqa: E731
     return (f"| {opts.arch} | {opts.size} | {opts.quantize} | {r.engine} | {r.returncode} | {len(r.losses)} | "
             f"{fmt(r.s_per_it, '.3f')} | {fmt(r.median_step_s, '.3f')} | {fmt(r.first_step_s, '.1f')} | {attach} | "
-            f"{each(r.sample_s)} | {each(r.save_s)} | {r.wall_s:.1f} | {vram} | {r.peak_rss_bytes / gib:.2f} | {fmt(r.bus_gb_per_step, '.3g')} | "
+            f"{each(r.sample_s)} | {each(r.save_s)} | {r.wall_s:.1f} | {vram} | {r.peak_rss_bytes / gib:.2f} | "
+            f"{fmt(r.bus_gb_per_step, '.3g')} | "
             f"{fmt(r.copy_wait_ms_per_step, '.0f')} | "
             f"{'yes' if r.active else 'no'} |")
 
@@ -177,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   DIFFERENT {arch}: {problem}", flush=True)
         failed += bool(problems)
     print("| arch | size | quantize | engine | exit | steps logged | s/it (AI-Toolkit) | median step s | "
-          "start to first step s | attach s | sample s | save s | wall s | peak VRAM GiB | peak RSS GiB | GB copied per "
-          "step | compute waited ms per step | layerstream active |")
+          "start to first step s | attach s | sample s | save s | wall s | peak VRAM GiB | peak RSS GiB | "
+          "GB copied per step | compute waited ms per step | layerstream active |")
     print("|---" * 18 + "|")
     print("\n".join(rows))
     if args.json_out:
