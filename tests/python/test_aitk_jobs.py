@@ -103,8 +103,20 @@ def test_job_layerstream_leaves_what_stock_leaves(workspace, arch):
     if arch == "flux2" and not (workspace.source / "extensions_built_in/diffusion_models/flux2").is_dir():
         pytest.skip(f"{workspace.source} has no FLUX.2 model class (AI-Toolkit 27a03a91 has)")
     profile = arch == "qwen_image"  # one job under --profile: the profiler changes nothing it computes
-    stock, ours = _both(workspace, opts, arch, profile=profile)
+    # One job with the user's own allocations between steps, inside steps and inside samples (--stress-gb; on
+    # the CPU they are host tensors: what is checked here is that they happen where the harness says, count
+    # right, and change nothing the job computes).
+    stress = "0.001,0.002" if arch == "zimage" else None
+    stock, ours = _both(workspace, opts, arch, profile=profile, stress_gb=stress)
     _assert_same_outcome(opts, stock, ours, workspace)
+    if stress:
+        # 6 optimizer steps: between after steps 1, 3 and 5; inside steps 3 and 5 (after 2 and 4; after 6 there
+        # is none); inside the samples after step 3 and at the end (the one before step 1 is before the cap).
+        for run in (stock, ours):
+            assert run.stress == {"sizes_gb": [0.001, 0.002], "made": {"between": 6, "inside": 4, "sample": 4},
+                                  "out_of_memory": {"between": 0, "inside": 0, "sample": 0}}, run.stress
+    else:
+        assert stock.stress is None and ours.stress is None
     if profile:
         for run in (stock, ours):
             text = (workspace.root / "runs" / f"{arch}-{run.engine}" / "profile.txt").read_text()

@@ -101,6 +101,10 @@ class RunResult:
     # After each sample: [the transformer's PackedWeights (layerstream's lossless host storage), how many of them
     # hold plain values], or None where the trainer has no transformer to count.
     packed_after_sample: list = field(default_factory=list)
+    # The user's own allocations while the job trained (run_engine's ``stress_gb``; aitk_site's
+    # AITK_JOB_STRESS_GB): {"sizes_gb", "made": {place: count}, "out_of_memory": {place: count}} for the places
+    # between, inside (a training step) and sample; None without them.
+    stress: dict | None = None
     # layerstream's per-step line in the job's log (LAYERSTREAM_LOG_EVERY=1, which the harness sets for its
     # runs): the medians over the logged steps of the bytes copied to the device and of the time compute waited
     # for copies (LAYERSTREAM_TIME_WAITS=1); None for stock.
@@ -210,7 +214,7 @@ def prepare_checkout(source: Path, dest: Path, python: str = sys.executable) -> 
 
 def job_env(engine: str, opts: JobOptions, stubs: Path | None, stats_file: Path, cap_gb: float | None,
             hub_cache: Path, deterministic: bool = False, model: Path | None = None,
-            profile: Path | None = None) -> dict:
+            profile: Path | None = None, stress_gb: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AITK_JOB_")}
     paths = [str(SITE_DIR)] + ([str(stubs)] if stubs else []) + [p for p in [env.get("PYTHONPATH")] if p]
     # Offline, with a hub cache that holds only what the model folder serves for fixed repo ids (aitk_models).
@@ -225,6 +229,8 @@ def job_env(engine: str, opts: JobOptions, stubs: Path | None, stats_file: Path,
         env.update(AITK_JOB_DETERMINISTIC="1", CUBLAS_WORKSPACE_CONFIG=":4096:8")
     if profile is not None:
         env["AITK_JOB_PROFILE"] = str(profile)
+    if stress_gb:
+        env["AITK_JOB_STRESS_GB"] = stress_gb
     if model is not None and (model / "flux2_params.json").is_file():  # FLUX.2's sizes (aitk_flux2.py)
         env["AITK_JOB_FLUX2_PARAMS"] = str(model / "flux2_params.json")
     if engine == "stock":
@@ -382,6 +388,7 @@ def collect(engine: str, save_root: Path, log_path: Path, stats_file: Path, code
         result.attaches = stats.get("attach", [])
         result.sample_s, result.save_s = stats.get("sample", []), stats.get("save", [])
         result.packed_after_sample = stats.get("packed_after_sample", [])
+        result.stress = stats.get("stress")
     db = save_root / "loss_log.db"
     if db.is_file():
         with sqlite3.connect(db) as con:
@@ -459,14 +466,17 @@ class Workspace:
 
 def run_engine(ws: Workspace, opts: JobOptions, engine: str, run_name: str, cap_gb: float | None = None,
                interrupt_after_save: int | None = None, second_job: bool = False,
-               deterministic: bool = False, pause: str | None = None, profile: bool = False) -> RunResult:
+               deterministic: bool = False, pause: str | None = None, profile: bool = False,
+               stress_gb: str | None = None) -> RunResult:
     """One run of the job; ``run_name`` names its training folder, so a second call with the same name resumes
     it (AI-Toolkit continues from the newest save there). ``interrupt_after_save``: SIGINT once the save of that
     step is on disk (LoRA and optimizer state). ``second_job``: run.py is given a second job (the same one under
     another name) that it starts in the same process when the first is done. ``pause``: SIGINT where the job
     waits for it (``step:N`` inside the training step after N optimizer steps, ``save:N`` halfway through the
     Nth write of optimizer.pt: aitk_site's AITK_JOB_PAUSE); the result's ``paused`` has the files before.
-    ``profile``: profile.txt in the run's folder, Python's profile of its samples and training steps."""
+    ``profile``: profile.txt in the run's folder, Python's profile of its samples and training steps.
+    ``stress_gb``: the user's own allocations of these sizes (GiB, comma-separated) between steps, inside steps
+    and inside samples (aitk_site's AITK_JOB_STRESS_GB); the result's ``stress`` counts them."""
     checkout, model, data = ws.checkout(), ws.model(opts), ws.dataset(opts)
     training = ws.root / "runs" / run_name
     training.mkdir(parents=True, exist_ok=True)
@@ -496,7 +506,7 @@ def run_engine(ws: Workspace, opts: JobOptions, engine: str, run_name: str, cap_
 
     hub_cache = seed_hub_cache(ws.root / "hub-cache", model)
     env = job_env(engine, opts, ws.stubs, stats, cap_gb, hub_cache, deterministic, model,
-                  training / "profile.txt" if profile else None)
+                  training / "profile.txt" if profile else None, stress_gb)
     marker = training / f"paused-{int(time.time() * 1000)}.json"
     if pause is not None:
         env.update(AITK_JOB_PAUSE=pause, AITK_JOB_PAUSE_FILE=str(marker), AITK_JOB_PAUSE_DIR=str(save_root))

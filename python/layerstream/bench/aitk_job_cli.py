@@ -30,6 +30,15 @@ def summary_row(opts: JobOptions, r: RunResult) -> str:
             f"{'yes' if r.active else 'no'} |")
 
 
+def stress_problems(runs: dict) -> list[str]:
+    """--stress-gb: layerstream running out of memory for more of the user's allocations than stock did."""
+    ooms = {engine: sum(r.stress["out_of_memory"].values()) for engine, r in runs.items() if r.stress is not None}
+    if "layerstream" in ooms and ooms["layerstream"] > ooms.get("stock", 0):
+        return [f"the user's allocations ran out of memory {ooms['layerstream']} times under layerstream, "
+                f"{ooms.get('stock', 'not run')} under stock"]
+    return []
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="layerstream bench aitk-job", description=aitk_job.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -79,11 +88,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="write profile.txt in each run's folder: Python's profile (cProfile) of the trainer's "
                              "sample() calls after the first and of its training steps after the second")
+    parser.add_argument("--stress-gb", metavar="GiB,...",
+                        help="the user's own allocations while each job trains, e.g. 2,4,8: each size in turn, each "
+                             "freed before the next, after every odd optimizer step, inside the step after every "
+                             "even one and inside every sample after the first step; out-of-memory errors are "
+                             "counted per engine (a problem where layerstream's exceed stock's)")
     parser.add_argument("--workdir", help="keep everything here (default: a new temporary folder, removed)")
     parser.add_argument("--json-out")
     args = parser.parse_args(argv)
     if not args.aitk_dir:
         parser.error("--aitk-dir (or AI_TOOLKIT_DIR) is required")
+    if args.stress_gb is not None:
+        try:
+            sizes = [float(v) for v in args.stress_gb.split(",")]
+        except ValueError:
+            sizes = []
+        if not sizes or any(not v > 0 for v in sizes):
+            parser.error(f"--stress-gb {args.stress_gb!r}: give sizes in GiB above 0, comma-separated (e.g. 2,4,8)")
     args.arch = args.arch or ["zimage"]
     return args
 
@@ -141,8 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         for engine in engines:
             print(f"== {arch} {engine}", flush=True)
             run = run_engine(ws, opts, engine, f"{arch}-{engine}{tag}", cap_gb=args.cap_gb,
-                             second_job=args.second_job, deterministic=args.deterministic, profile=args.profile)
+                             second_job=args.second_job, deterministic=args.deterministic, profile=args.profile,
+                             stress_gb=args.stress_gb)
             runs[engine] = run
+            if run.stress is not None:
+                print(f"   {engine}: the user's {args.stress_gb} GiB allocations: " + ", ".join(
+                    f"{place} {run.stress['made'][place]} made, {run.stress['out_of_memory'][place]} out of memory"
+                    for place in run.stress["made"]), flush=True)
             rows.append(summary_row(opts, run))
             if run.second is not None:
                 rows.append(summary_row(opts, run.second).replace(f"| {engine} |", f"| {engine}, 2nd job |"))
@@ -156,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"layerstream: the log has no {ACTIVE_LINE!r}")
         if len(runs) == 2:
             problems += differences(*runs.values())
+        problems += stress_problems(runs)
         if args.resume:
             resumed = {}
             for engine in engines:

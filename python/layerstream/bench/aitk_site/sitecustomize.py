@@ -23,6 +23,13 @@ PYTHONPATH; AI-Toolkit's files stay as they are. It does what a job cannot do fr
                              Before it waits it writes AITK_JOB_PAUSE_FILE: the sha256 of every file in
                              AITK_JOB_PAUSE_DIR as they were before the save began (for `save`) or at the pause.
                              With no signal within 120 s it goes on.
+  AITK_JOB_STRESS_GB         the user's own allocations while the job trains (e.g. `2,4,8`: GiB, comma-separated;
+                             on the CUDA device, or the CPU where there is none): each size in turn, each freed
+                             before the next, after every odd optimizer step (between steps), in the first LoRA
+                             forward with gradients after every even one (inside a step) and in the first forward
+                             of every sample after the first optimizer step (inside a sample, under the cap). An
+                             out-of-memory error is caught, counted and printed, and the job goes on; the counts
+                             go into AITK_JOB_STATS's file (`stress`).
 
 A sitecustomize found earlier on sys.path (a venv's own) is not replaced: this one runs it first."""
 
@@ -70,6 +77,7 @@ def _cap_at_first_optimizer(cap_bytes: float) -> None:
 _ATTACHES: list = []  # {"module": class name, "seconds": wall time} per outermost MemoryManager.attach
 _PHASES: dict = {"sample": [], "save": []}  # wall seconds of each outermost call of the trainer's sample / save
 _PACKED: list = []  # after each sample: [PackedWeights in the transformer, how many of them hold plain values]
+_STRESS: dict = {}  # AITK_JOB_STRESS_GB: the sizes, and per place the allocations made and out of memory
 
 
 def _packed_weights(trainer) -> list | None:
@@ -175,7 +183,7 @@ def _profile_phases(path: str) -> None:
 
 
 def _write_stats(path: str) -> None:
-    stats = {"attach": _ATTACHES, **_PHASES, "packed_after_sample": _PACKED}
+    stats = {"attach": _ATTACHES, **_PHASES, "packed_after_sample": _PACKED, "stress": _STRESS or None}
     try:
         import sys
 
@@ -298,7 +306,69 @@ def _pause(spec: str) -> None:
     register_module_forward_pre_hook(pre_hook)
 
 
+def _stress(sizes_gb: list) -> None:
+    import torch
+    from torch.nn.modules.module import register_module_forward_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    places = ("between", "inside", "sample")
+    _STRESS.update(sizes_gb=sizes_gb, made=dict.fromkeys(places, 0), out_of_memory=dict.fromkeys(places, 0))
+    state = {"steps": 0, "inside": False, "sample": False}
+
+    def take(where: str) -> None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        for gib in sizes_gb:
+            try:
+                block = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
+                block[-1] = 1  # touched: the memory is really there
+                del block
+                _STRESS["made"][where] += 1
+            except torch.OutOfMemoryError:
+                _STRESS["out_of_memory"][where] += 1
+                print(f"layerstream job harness: the user's {gib:g} GiB {where} after optimizer step {state['steps']} "
+                      "ran out of memory", flush=True)
+
+    def after_step(optimizer, args, kwargs):
+        state["steps"] += 1
+        if state["steps"] % 2:
+            take("between")
+        else:
+            state["inside"] = True
+
+    def pre_hook(module, args):
+        if state["inside"] and torch.is_grad_enabled() and any(
+                p.requires_grad for p in module.parameters(recurse=False)):
+            state["inside"] = False
+            take("inside")
+        elif (state["sample"] and not torch.is_grad_enabled()
+              and next(module.parameters(recurse=False), None) is not None):
+            state["sample"] = False
+            take("sample")
+        return None
+
+    def patch_trainer(module):
+        import functools
+
+        trainer, sample = module.BaseSDTrainProcess, module.BaseSDTrainProcess.sample
+
+        @functools.wraps(sample)
+        def stressed_sample(*args, **kwargs):
+            state["sample"] = state["steps"] > 0
+            try:
+                return sample(*args, **kwargs)
+            finally:
+                state["sample"] = False
+
+        trainer.sample = stressed_sample
+
+    register_optimizer_step_post_hook(after_step)
+    register_module_forward_pre_hook(pre_hook)
+    _after_import("jobs.process.BaseSDTrainProcess", patch_trainer)
+
+
 _chain_next_sitecustomize()
+if os.environ.get("AITK_JOB_STRESS_GB"):
+    _stress([float(v) for v in os.environ["AITK_JOB_STRESS_GB"].split(",")])
 if os.environ.get("AITK_JOB_FLUX2_PARAMS"):
     _flux2_sizes(os.environ["AITK_JOB_FLUX2_PARAMS"])
 if os.environ.get("AITK_JOB_PAUSE"):
