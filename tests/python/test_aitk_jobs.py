@@ -120,8 +120,10 @@ def test_job_layerstream_leaves_what_stock_leaves(workspace, arch):
     if profile:
         for run in (stock, ours):
             text = (workspace.root / "runs" / f"{arch}-{run.engine}" / "profile.txt").read_text()
-            # Both phases, each by cumulative and by own time, the profiled functions among their rows.
+            # The first sample, the later ones and the steps, each by cumulative and by own time, the profiled
+            # functions among their rows.
             assert [line for line in text.splitlines() if line.startswith("====")] == [
+                "==== first sample: by cumulative time", "==== first sample: by own time",
                 "==== sample: by cumulative time", "==== sample: by own time",
                 "==== training step: by cumulative time", "==== training step: by own time"], text[:2000]
             assert "(sample)" in text and "(hook_train_loop)" in text, text[:4000]

@@ -11,9 +11,10 @@ PYTHONPATH; AI-Toolkit's files stay as they are. It does what a job cannot do fr
                              and checkpoint saves between steps, and the first sample before the first step),
                              and after each sample how many transformer weights are PackedWeights (lossless host
                              storage) and how many of those a sample left holding plain values;
-  AITK_JOB_PROFILE    a text file written at exit: Python's cProfile of the trainer's sample() calls after the
-                             first and of its training steps (SDTrainer.hook_train_loop) after the second, the
-                             functions that took the most time, for where a job's time goes;
+  AITK_JOB_PROFILE    a text file written at exit: Python's cProfile of the trainer's first sample() call (before
+                             the first step: it carries the warm-up), of its sample() calls after the first and of
+                             its training steps (SDTrainer.hook_train_loop) after the second, the functions that
+                             took the most time, for where a job's time goes;
   AITK_JOB_DETERMINISTIC=1   torch.use_deterministic_algorithms(True), for bitwise comparisons on a GPU;
   AITK_JOB_FLUX2_PARAMS      a JSON file of FLUX.2's transformer and VAE sizes (aitk_flux2.py), which AI-Toolkit's
                              Flux2Model then builds instead of its fixed ones;
@@ -132,12 +133,13 @@ def _time_phases() -> None:
     _after_import("jobs.process.BaseSDTrainProcess", patch_trainer)
 
 
-_PROFILES: dict = {}  # "sample" / "training step" -> cProfile.Profile
+_PROFILES: dict = {}  # "first sample" / "sample" / "training step" -> cProfile.Profile
+PHASE_ORDER = ("first sample", "sample", "training step")  # the order profile.txt has them in
 
 
-def _profiled(function, name: str, skip: int):
+def _profiled(function, name: str, skip: int, first: str | None = None):
     """``function`` run under the cProfile.Profile _PROFILES[name] from its (skip+1)th call on (the first calls
-    warm up: kernels chosen, buffers made)."""
+    warm up: kernels chosen, buffers made); ``first``: its first call under a profile of that name of its own."""
     import cProfile
     import functools
 
@@ -147,7 +149,14 @@ def _profiled(function, name: str, skip: int):
     def run(*args, **kwargs):
         calls[0] += 1
         if calls[0] <= skip:
-            return function(*args, **kwargs)
+            if first is None or calls[0] > 1:
+                return function(*args, **kwargs)
+            warm = _PROFILES.setdefault(first, cProfile.Profile())
+            warm.enable()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                warm.disable()
         profile.enable()
         try:
             return function(*args, **kwargs)
@@ -160,7 +169,7 @@ def _profiled(function, name: str, skip: int):
 def _profile_phases(path: str) -> None:
     def patch_trainer(module):
         trainer = module.BaseSDTrainProcess
-        trainer.sample = _profiled(trainer.sample, "sample", skip=1)
+        trainer.sample = _profiled(trainer.sample, "sample", skip=1, first="first sample")
 
     def patch_sd_trainer(module):
         trainer = module.SDTrainer
@@ -171,7 +180,7 @@ def _profile_phases(path: str) -> None:
         import pstats
 
         with open(path, "w") as f:
-            for name, profile in _PROFILES.items():
+            for name, profile in sorted(_PROFILES.items(), key=lambda item: PHASE_ORDER.index(item[0])):
                 for order, label, count in (("cumulative", "cumulative time", 40), ("tottime", "own time", 25)):
                     text = io.StringIO()
                     pstats.Stats(profile, stream=text).sort_stats(order).print_stats(count)
