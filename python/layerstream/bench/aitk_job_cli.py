@@ -34,7 +34,7 @@ def stress_problems(runs: dict) -> list[str]:
     """--stress-gb: layerstream running out of memory for more of the user's allocations than stock did."""
     ooms = {engine: sum(r.stress["out_of_memory"].values()) for engine, r in runs.items() if r.stress is not None}
     if "layerstream" in ooms and ooms["layerstream"] > ooms.get("stock", 0):
-        return [f"the user's allocations ran out of memory {ooms['layerstream']} times under layerstream, "
+        return [f"out of memory for the user's allocations: {ooms['layerstream']} under layerstream, "
                 f"{ooms.get('stock', 'not run')} under stock"]
     return []
 
