@@ -53,6 +53,8 @@ def _assert_complete(opts: JobOptions, run, name: str):
     assert _saves(opts, name) == set(run.loras), sorted(run.loras)
     samples = {f"step{s}_{i}" for s in range(0, opts.steps + 1, opts.sample_every) for i in range(2)}
     assert samples == set(run.samples), sorted(run.samples)
+    # AI-Toolkit's s/it, from its training bar (the sampler's bars after the last step are not it).
+    assert run.s_per_it is not None and run.s_per_it > 0, run.log[-3000:]
     # The training step's own time, from AI-Toolkit's loss_log.db: at most the span of the logged steps.
     assert 0 < run.median_step_s <= run.last_step_s - run.first_step_s, (run.median_step_s, run.first_step_s)
     # layer_offloading attaches the transformer (and the text encoder) through MemoryManager.attach, timed.

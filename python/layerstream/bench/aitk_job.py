@@ -342,9 +342,13 @@ def read_samples(save_root: Path) -> dict[str, str]:
     return out
 
 
-def parse_log(text: str) -> tuple[float | None, bool]:
-    """AI-Toolkit's own last reported seconds per iteration (its tqdm bar) and whether layerstream was active."""
-    rates = re.findall(r"(\d+(?:\.\d+)?)(s/it|it/s)\]", text)
+def parse_log(text: str, job_name: str) -> tuple[float | None, bool]:
+    """AI-Toolkit's own last reported seconds per iteration on the training progress bar of the job
+    ``job_name`` (tqdm's, described by the job's name: ``job_x:  50%|...| 4/8 [00:05<00:04,  1.08s/it, lr: ...]``;
+    the bars of the sampler and its prompts, which follow the last step, are not it) and whether layerstream was
+    active."""
+    bar = re.compile(re.escape(job_name) + r":\s+\d+%\|[^|]*\|\s*\d+/\d+ \[[^,\]]*,\s*(\d+(?:\.\d+)?)(s/it|it/s)[,\]]")
+    rates = bar.findall(text)
     s_per_it = None
     if rates:
         value, unit = rates[-1]
@@ -376,7 +380,7 @@ def step_telemetry(text: str) -> tuple[float | None, float | None]:
 def collect(engine: str, save_root: Path, log_path: Path, stats_file: Path, code: int, rss: int,
             start: float) -> RunResult:
     log = log_path.read_text(errors="replace")
-    s_per_it, active = parse_log(log)
+    s_per_it, active = parse_log(log, save_root.name)
     result = RunResult(engine=engine, returncode=code, wall_s=time.time() - start, losses=read_losses(save_root),
                        loras=read_loras(save_root), samples=read_samples(save_root), active=active,
                        peak_rss_bytes=rss, s_per_it=s_per_it, log=log)

@@ -1,0 +1,70 @@
+"""`layerstream bench aitk-job` without running a job (tests/python/test_aitk_jobs.py runs them): what its command
+line refuses, how the user's allocations (--stress-gb) are judged, and which of the log's progress bars AI-Toolkit's
+s/it is read from."""
+
+from __future__ import annotations
+
+import pytest
+
+from layerstream.bench.aitk_job import ACTIVE_LINE, RunResult, parse_log
+from layerstream.bench.aitk_job_cli import parse_args, stress_problems
+
+
+@pytest.mark.parametrize("value", ["", "x", "2,,4", "0", "2,-1", "nan"])
+def test_stress_sizes_that_are_not_sizes_are_refused_with_what_to_give(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--aitk-dir", "/nowhere", "--stress-gb", value])
+    assert exit_info.value.code == 2
+    assert f"--stress-gb {value!r}: give sizes in GiB above 0, comma-separated (e.g. 2,4,8)" in capsys.readouterr().err
+
+
+def test_stress_sizes_are_taken_as_given():
+    assert parse_args(["--aitk-dir", "/nowhere", "--stress-gb", "2,4,8"]).stress_gb == "2,4,8"
+    assert parse_args(["--aitk-dir", "/nowhere"]).stress_gb is None
+
+
+def _run(engine: str, ooms: dict | None) -> RunResult:
+    run = RunResult(engine=engine, returncode=0, wall_s=1.0)
+    if ooms is not None:
+        run.stress = {"sizes_gb": [2.0], "made": {"between": 1, "inside": 1, "sample": 1}, "out_of_memory": ooms}
+    return run
+
+
+def test_layerstream_running_out_of_memory_more_often_than_stock_is_a_problem():
+    none = {"between": 0, "inside": 0, "sample": 0}
+    one = {"between": 0, "inside": 1, "sample": 0}
+    assert stress_problems({"stock": _run("stock", none), "layerstream": _run("layerstream", one)}) == [
+        "out of memory for the user's allocations: 1 under layerstream, 0 under stock"]
+    assert stress_problems({"layerstream": _run("layerstream", one)}) == [
+        "out of memory for the user's allocations: 1 under layerstream, not run under stock"]
+    # As often as stock (a card too small for the allocation either way), or less often: no problem.
+    assert stress_problems({"stock": _run("stock", one), "layerstream": _run("layerstream", one)}) == []
+    assert stress_problems({"stock": _run("stock", one), "layerstream": _run("layerstream", none)}) == []
+    assert stress_problems({"stock": _run("stock", None), "layerstream": _run("layerstream", None)}) == []
+
+
+# The end of a job's log as AI-Toolkit's run.py writes it (tqdm redraws with carriage returns): the training bar
+# (described by the job's name, its rate followed by the postfix), then the final save and sample, whose bars
+# (the sampler's and each prompt's) end with rates of their own.
+END_OF_A_JOB = (
+    "job_wan22_14b:  88%|########8 | 7/8 [00:08<00:00,  1.19it/s, lr: 1.0e-04 loss: 1.776e+00]\r"
+    "job_wan22_14b: 100%|##########| 8/8 [00:09<00:00,  1.15it/s, lr: 1.0e-04 loss: 1.813e+00]\r"
+    "job_wan22_14b: 100%|##########| 8/8 [00:09<00:00,  1.13s/it, lr: 1.0e-04 loss: 1.813e+00]\n"
+    "Saved checkpoint to /tmp/runs/job_wan22_14b/job_wan22_14b.safetensors\n"
+    "Generating Samples:   0%|          | 0/2 [00:00<?, ?it/s]\n"
+    "100%|##########| 2/2 [00:01<00:00,  1.87it/s]\n"
+    "Generating Samples: 100%|##########| 2/2 [00:03<00:00,  1.62s/it]\n")
+
+
+def test_s_per_it_is_the_training_bars_last_rate_not_the_samplers():
+    assert parse_log(END_OF_A_JOB, "job_wan22_14b") == (1.13, False)
+    # In it/s, as tqdm shows a fast bar, turned into s/it.
+    faster = END_OF_A_JOB.replace("1.13s/it, lr", "1.25it/s, lr") + ACTIVE_LINE + "\n"
+    assert parse_log(faster, "job_wan22_14b") == (0.8, True)
+    # A second job in the same log has a bar of its own: each is read from its own.
+    second = END_OF_A_JOB + "job_wan22_14b_second: 100%|##########| 8/8 [00:07<00:00,  2.00s/it, lr: 1.0e-04]\n"
+    assert parse_log(second, "job_wan22_14b") == (1.13, False)
+    assert parse_log(second, "job_wan22_14b_second") == (2.0, False)
+    # No training bar with a rate (a job that failed before its first step): none, whatever else the log has.
+    assert parse_log("job_wan22_14b:   0%|          | 0/8 [00:00<?, ?it/s]\n" + END_OF_A_JOB.split("Saved")[1],
+                     "job_wan22_14b") == (None, False)
