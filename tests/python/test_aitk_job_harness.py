@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from layerstream.bench.aitk_job import ACTIVE_LINE, RunResult, parse_log
-from layerstream.bench.aitk_job_cli import parse_args, stress_problems
+from layerstream.bench.aitk_job import ACTIVE_LINE, JobOptions, RunResult, parse_log
+from layerstream.bench.aitk_job_cli import TABLE_HEADER, parse_args, stress_problems, summary_row
 
 
 @pytest.mark.parametrize("value", ["", "x", "2,,4", "0", "2,-1", "nan"])
@@ -68,3 +68,19 @@ def test_s_per_it_is_the_training_bars_last_rate_not_the_samplers():
     # No training bar with a rate (a job that failed before its first step): none, whatever else the log has.
     assert parse_log("job_wan22_14b:   0%|          | 0/8 [00:00<?, ?it/s]\n" + END_OF_A_JOB.split("Saved")[1],
                      "job_wan22_14b") == (None, False)
+
+
+def test_a_runs_row_has_a_cell_under_every_heading_of_the_table():
+    run = RunResult(engine="layerstream", returncode=0, wall_s=85.3, losses={1: 1.0, 2: 0.9}, s_per_it=0.84,
+                    median_step_s=0.843, first_step_s=62.6, last_step_s=73.65, peak_rss_bytes=2**30, active=True,
+                    attaches=[{"module": "WanTransformer3DModel", "seconds": 6.1}], sample_s=[17.2, 4.1],
+                    save_s=[1.2], peak_vram_allocated=2 * 2**30, bus_gb_per_step=14.9, copy_wait_ms_per_step=15.2)
+    cells = [c.strip() for c in summary_row(JobOptions(arch="wan22_14b", size="full"), run).split("|")[1:-1]]
+    headings = [h.strip() for h in TABLE_HEADER.split("|")[1:-1]]
+    assert dict(zip(headings, cells)) == {
+        "arch": "wan22_14b", "size": "full", "quantize": "none", "engine": "layerstream", "exit": "0",
+        "steps logged": "2", "s/it (AI-Toolkit)": "0.840", "median step s": "0.843", "first to last step s": "11.05",
+        "start to first step s": "62.6", "attach s": "WanTransformer3DModel 6.1", "sample s": "17.2 + 4.1",
+        "save s": "1.2", "wall s": "85.3", "peak VRAM GiB": "2.00", "peak RSS GiB": "1.00",
+        "GB copied per step": "14.9", "compute waited ms per step": "15", "layerstream active": "yes"}
+    assert len(cells) == len(headings)

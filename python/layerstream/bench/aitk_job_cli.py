@@ -16,14 +16,23 @@ from .aitk_job import ACTIVE_LINE, QUANTIZE, JobOptions, RunResult, Workspace, d
 from .aitk_models import ARCHES, SIZES
 
 
+TABLE_HEADER = ("| arch | size | quantize | engine | exit | steps logged | s/it (AI-Toolkit) | median step s | "
+                "first to last step s | start to first step s | attach s | sample s | save s | wall s | "
+                "peak VRAM GiB | peak RSS GiB | GB copied per step | compute waited ms per step | layerstream active |")
+
+
 def summary_row(opts: JobOptions, r: RunResult) -> str:
     gib = 2 ** 30
     vram = "" if r.peak_vram_allocated is None else f"{r.peak_vram_allocated / gib:.2f}"
     fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
     attach = " + ".join(f"{a['module']} {a['seconds']:.1f}" for a in r.attaches)
     each = lambda times: " + ".join(f"{t:.1f}" for t in times)  # noqa: E731
+    # From the first logged step to the last (samples and saves between them in it): the training's own figure
+    # for a short job, where AI-Toolkit's s/it (a moving average) is mostly its last sample and save.
+    span = None if r.first_step_s is None or r.last_step_s is None else r.last_step_s - r.first_step_s
     return (f"| {opts.arch} | {opts.size} | {opts.quantize} | {r.engine} | {r.returncode} | {len(r.losses)} | "
-            f"{fmt(r.s_per_it, '.3f')} | {fmt(r.median_step_s, '.3f')} | {fmt(r.first_step_s, '.1f')} | {attach} | "
+            f"{fmt(r.s_per_it, '.3f')} | {fmt(r.median_step_s, '.3f')} | {fmt(span, '.2f')} | "
+            f"{fmt(r.first_step_s, '.1f')} | {attach} | "
             f"{each(r.sample_s)} | {each(r.save_s)} | {r.wall_s:.1f} | {vram} | {r.peak_rss_bytes / gib:.2f} | "
             f"{fmt(r.bus_gb_per_step, '.3g')} | "
             f"{fmt(r.copy_wait_ms_per_step, '.0f')} | "
@@ -204,10 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"   DIFFERENT {arch}: {problem}", flush=True)
         failed += bool(problems)
-    print("| arch | size | quantize | engine | exit | steps logged | s/it (AI-Toolkit) | median step s | "
-          "start to first step s | attach s | sample s | save s | wall s | peak VRAM GiB | peak RSS GiB | "
-          "GB copied per step | compute waited ms per step | layerstream active |")
-    print("|---" * 18 + "|")
+    print(TABLE_HEADER)
+    print("|---" * (TABLE_HEADER.count("|") - 1) + "|")
     print("\n".join(rows))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "results": results}, default=str) + "\n")
