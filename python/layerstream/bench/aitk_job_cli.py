@@ -96,7 +96,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                         "AI-Toolkit imports that cannot install here)")
     parser.add_argument("--profile", action="store_true",
                         help="write profile.txt in each run's folder: Python's profile (cProfile) of the trainer's "
-                             "sample() calls after the first and of its training steps after the second")
+                             "first sample() call (before the first step, with the warm-up), of its sample() calls "
+                             "after the first and of its training steps after the second")
     parser.add_argument("--stress-gb", metavar="GiB,...",
                         help="the user's own allocations while each job trains, e.g. 2,4,8: each size in turn, each "
                              "freed before the next, after every odd optimizer step, inside the step after every "

@@ -148,20 +148,17 @@ def _profiled(function, name: str, skip: int, first: str | None = None):
     @functools.wraps(function)
     def run(*args, **kwargs):
         calls[0] += 1
-        if calls[0] <= skip:
-            if first is None or calls[0] > 1:
-                return function(*args, **kwargs)
-            warm = _PROFILES.setdefault(first, cProfile.Profile())
-            warm.enable()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                warm.disable()
-        profile.enable()
+        if calls[0] > skip:
+            active = profile
+        elif first is not None and calls[0] == 1:
+            active = _PROFILES.setdefault(first, cProfile.Profile())
+        else:
+            return function(*args, **kwargs)
+        active.enable()
         try:
             return function(*args, **kwargs)
         finally:
-            profile.disable()
+            active.disable()
 
     return run
 
