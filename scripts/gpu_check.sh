@@ -627,7 +627,8 @@ if want defaults && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   pick_runs defaults "${LAYERSTREAM_DEFAULTS_RUNS:-flux1,flux1det}" "flux1 flux1det flux1cap flux2cap"; DRUNS=$PICKED
   pick_runs defaults-rows "${LAYERSTREAM_DEFAULTS_ROWS:-stock,prev,default,autosame,min}" "stock prev default autosame min"
   DROWS=$PICKED
-  DB=(--warmup 2 --steps 3)
+  # LAYERSTREAM_DEFAULTS_STEPS: timed steps per row (default 3), to see where a budget settles.
+  DB=(--warmup 2 --steps "${LAYERSTREAM_DEFAULTS_STEPS:-3}")
   PREV=(LAYERSTREAM_VRAM_BUDGET=min)  # with --host-dtype same: the defaults before issue 45
   if [[ $DRUNS == *,flux1det,* ]]; then
     step "FLUX.1 100% streamed, deterministic kernels: the previous defaults against the defaults"
