@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -201,6 +202,18 @@ class BudgetHeadroom {
     if (threshold == 0) return false;
     if (free_bytes < threshold) return true;
     return between_steps && free_bytes + std::min(gap_used, gap_threshold) < gap_threshold;
+  }
+  // What a yield for pressure (is_pressure said so) gives back. Inside a step with the allocation retry
+  // behind it (`retried`: an allocation that still fails gives back what it asks and is tried again), as much
+  // as brings what is free back to the plan's whole headroom (twice `threshold`): the other resident layers
+  // stay, and the plan that follows places them anew with twice the headroom, instead of copying every one
+  // of them again. Between steps, or without the retry, all of them (the largest size_t): the callback is not
+  // told what is asked, and after a yield nothing more is given back until the next plan.
+  static std::size_t pressure_yield_bytes(std::size_t threshold, bool between_steps, std::size_t free_bytes,
+                                          bool retried) {
+    if (between_steps || !retried || threshold == 0) return std::numeric_limits<std::size_t>::max();
+    const std::size_t headroom = 2 * threshold;
+    return headroom > free_bytes ? headroom - free_bytes : threshold;
   }
   std::size_t gap_threshold() const { return gap_threshold_; }
   std::size_t threshold() const { return threshold_; }

@@ -189,8 +189,10 @@ std::size_t held_above_cycle_start(c10::DeviceIndex index) {
 // user's tensors), so resident layers are given back when less than a quarter of what the process may use
 // is free, and the plan leaves that quarter free at the gap's peak (vram_budget.h); with
 // LAYERSTREAM_VRAM_GAP=start, when what the gap holds so far and what is free add up to less than that
-// quarter, which the plan leaves free above the cycle's start. What it frees goes to the allocator's cache,
-// which the allocator releases to the driver before its last try.
+// quarter, which the plan leaves free above the cycle's start. Inside a step with the allocation retry
+// installed, only what brings the free memory back to the plan's headroom goes back
+// (BudgetHeadroom::pressure_yield_bytes); otherwise every idle resident layer. What it frees goes to the
+// allocator's cache, which the allocator releases to the driver before its last try.
 class YieldToPressure : public c10::FreeMemoryCallback {
  public:
   bool Execute() override {
@@ -219,7 +221,9 @@ class YieldToPressure : public c10::FreeMemoryCallback {
         gap_used = state->held_by_gap(*held);
       }
       if (BudgetHeadroom::is_pressure(threshold, state->gap_pressure_threshold(), between_steps, free_now, gap_used)) {
-        freed = state->yield_for_pressure(std::numeric_limits<std::size_t>::max(), between_steps, free_now) || freed;
+        const std::size_t want =
+            BudgetHeadroom::pressure_yield_bytes(threshold, between_steps, free_now, allocation_retry_installed());
+        freed = state->yield_for_pressure(want, between_steps, free_now) || freed;
       }
     }
     return freed;

@@ -42,6 +42,11 @@ class BudgetOwner {
   }
   std::size_t used() const { return ring_ + resident_bytes() + held_; }
   std::size_t limit() const { return limit_; }
+  // With the allocation retry (torch 2.11-2.13): an allocation that does not fit gives back what it asks and
+  // is tried again (counted in retries(), not ooms()), and a yield inside a step gives back only the headroom.
+  void set_allocation_retry(bool on) { retry_ = on; }
+  std::size_t retries() const { return retries_; }
+  // Allocations that did not fit at once (without the retry) or at all (with it).
   std::size_t ooms() const { return ooms_; }
   std::size_t plans() const { return plans_; }
   std::size_t rebuilds() const { return rebuilds_; }
@@ -80,11 +85,23 @@ class BudgetOwner {
                                      : 0;
     // torch's allocator runs its callback when no cached block fits, before it asks the driver: here, at
     // every allocation that takes new memory, with what is free before it.
-    if (BudgetHeadroom::is_pressure(budget_.pressure_threshold(), budget_.gap_pressure_threshold(), between,
-                                    free_now, gap_used)) {
-      yield_for_pressure(BudgetController::kUnknown, between, free_now);
+    const std::size_t threshold = budget_.pressure_threshold();
+    if (BudgetHeadroom::is_pressure(threshold, budget_.gap_pressure_threshold(), between, free_now, gap_used)) {
+      yield_for_pressure(BudgetHeadroom::pressure_yield_bytes(threshold, between, free_now, retry_), between,
+                         free_now);
     }
-    if (used() + want > limit_) {
+    if (used() + want > limit_ && retry_) {
+      // The allocation retry (cuda_allocation_retry.cc): what the allocation lacks and an eighth of its
+      // size, tried again, then all of them.
+      ++retries_;
+      const std::size_t room = limit_ > used() ? limit_ - used() : 0;
+      yield_for_pressure((want > room ? want - room : 0) + want / 8, between, room);
+      if (used() + want > limit_) yield_for_pressure(BudgetController::kUnknown, between, room);
+      if (used() + want > limit_) {
+        ++ooms_;
+        return false;
+      }
+    } else if (used() + want > limit_) {
       ++ooms_;
       if (budget_.pressure_threshold() != 0) yield_for_pressure(BudgetController::kUnknown, false, free_now);
       if (used() + want > limit_) return false;  // the caller's step fails
@@ -229,7 +246,8 @@ class BudgetOwner {
   AccessPredictor predictor_;
   std::size_t cycle_start_ = 0, window_start_ = 0, window_peak_ = 0;
   CyclePeaks cycles_;
-  std::size_t ooms_ = 0, plans_ = 0, rebuilds_ = 0;
+  std::size_t ooms_ = 0, retries_ = 0, plans_ = 0, rebuilds_ = 0;
+  bool retry_ = false;
   std::ptrdiff_t least_margin_ = PTRDIFF_MAX;
   std::vector<std::string> log_;
 };

@@ -109,6 +109,55 @@ TEST(BudgetController, AYieldInsideAStepForgetsThePlanDoublesTheHeadroomAndShrin
   EXPECT_EQ(b.pending_ring(), 64 * kMiB);
 }
 
+// Sixty-four layers of 16 MiB on a 1 GiB device (the plan keeps as many as fit beside the steps), then a
+// step that holds `extra` more from its fourth layer to its backward's end (a larger bucket): the miss there
+// is pressure. Returns the resident bytes just before that step.
+std::size_t plan_then_grow(BudgetOwner& o, std::size_t extra) {
+  const auto grown_step = [&](std::size_t more) {
+    std::size_t held = 0;
+    for (LayerId i = 0; i < 64; ++i) {
+      o.call(i, /*grad=*/true, /*outside_backward=*/true);
+      if (o.allocate(4 * kMiB)) held += 4 * kMiB;
+      if (i == 3 && more > 0 && o.allocate(more)) held += more;
+    }
+    for (LayerId i = 64; i-- > 0;) o.call(i, /*grad=*/false, /*outside_backward=*/false);
+    o.release(held);
+    o.backward_ended();
+    if (o.allocate(16 * kMiB)) o.release(16 * kMiB);
+  };
+  for (int i = 0; i < 6; ++i) grown_step(0);
+  EXPECT_EQ(o.plans(), 1u);
+  const std::size_t before = o.resident_bytes();
+  grown_step(extra);
+  for (int i = 0; i < 12; ++i) grown_step(0);
+  return before;
+}
+
+TEST(BudgetController, APressureInsideAStepWithTheAllocationRetryGivesBackTheHeadroomNotEveryLayer) {
+  const std::vector<std::size_t> sizes(64, 16 * kMiB);
+  // Lending the gap's quarter (LAYERSTREAM_VRAM_GAP=lend), the step's peak has only the headroom beside it.
+  const BudgetConfig config = budget_config(VramPeak::kCycles, VramGap::kLend);
+  BudgetOwner all(config, 1024 * kMiB, sizes), some(config, 1024 * kMiB, sizes);
+  some.set_allocation_retry(true);
+  const std::size_t extra = 56 * kMiB;  // more than the 5% headroom (51 MiB) the plan left at the peak
+  const std::size_t before = plan_then_grow(all, extra);
+  ASSERT_EQ(plan_then_grow(some, extra), before);
+  ASSERT_GT(before, 20 * 16 * kMiB);
+  // Without the retry every resident layer went back; with it, what brought the free memory back to the
+  // headroom (51 MiB of the 1 GiB) at the miss that found less than half of it free: two layers of 16 MiB.
+  EXPECT_EQ(all.budget().counters().pressure_yields, 1u);
+  EXPECT_EQ(all.budget().counters().pressure_yielded_bytes, before);
+  EXPECT_EQ(some.budget().counters().pressure_yields, 1u);
+  EXPECT_EQ(some.budget().counters().pressure_yielded_bytes, 2 * 16 * kMiB);
+  EXPECT_EQ(some.ooms(), 0u);
+  EXPECT_EQ(some.retries(), 0u);  // the callback's yield made the room before the allocation failed
+  // Both planned again with 10% headroom, from steps that no longer hold the extra, to the same layers.
+  EXPECT_EQ(all.plans(), 2u);
+  EXPECT_EQ(some.plans(), 2u);
+  EXPECT_EQ(some.resident_bytes(), all.resident_bytes());
+  EXPECT_NE(some.log().back().find("10% headroom"), std::string::npos) << some.log().back();
+}
+
 TEST(BudgetController, AYieldBetweenStepsKeepsTheHeadroomTheCyclesMeasured) {
   BudgetOwner o(budget_config(), 1024 * kMiB, kEightLayers);
   plan_first(o);

@@ -2,6 +2,7 @@
 // the room a step's peak leaves, when an allocator miss is memory pressure, and what a yield changes.
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <string>
 
 #include "layerstream/check.h"
@@ -328,6 +329,19 @@ TEST(VramBudget, AMissIsPressureInsideAStepBelowHalfTheHeadroomAndBetweenStepsBe
   EXPECT_TRUE(BudgetHeadroom::is_pressure(t, g, true, 3500 * kMiB, 2499 * kMiB));
   // Half the headroom is the least free between steps too, whatever the gap holds.
   EXPECT_TRUE(BudgetHeadroom::is_pressure(t, g, true, t - 1, 20000 * kMiB));
+}
+
+TEST(VramBudget, APressureYieldInsideAStepWithTheRetryGivesBackTheHeadroomElseEverything) {
+  BudgetHeadroom h;
+  const BudgetHeadroom::Room r = h.room_for(24000 * kMiB, 6000 * kMiB, 500 * kMiB);
+  const std::size_t t = h.threshold(), all = std::numeric_limits<std::size_t>::max();
+  // Inside a step with the retry: what brings the free memory back to the whole headroom.
+  EXPECT_EQ(BudgetHeadroom::pressure_yield_bytes(t, false, 560 * kMiB, true), r.headroom - 560 * kMiB);
+  EXPECT_EQ(BudgetHeadroom::pressure_yield_bytes(t, false, 0, true), r.headroom);
+  // Without the retry, between steps, or before a plan: everything idle.
+  EXPECT_EQ(BudgetHeadroom::pressure_yield_bytes(t, false, 560 * kMiB, false), all);
+  EXPECT_EQ(BudgetHeadroom::pressure_yield_bytes(t, true, 560 * kMiB, true), all);
+  EXPECT_EQ(BudgetHeadroom::pressure_yield_bytes(0, false, 560 * kMiB, true), all);
 }
 
 TEST(VramBudget, AYieldInsideAStepDoublesTheHeadroomOneBetweenStepsLeavesTheGapItsQuarter) {
