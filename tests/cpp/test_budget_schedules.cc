@@ -120,7 +120,8 @@ std::string fuzz_one(std::uint64_t seed) {
   const bool retry = pick(0, 1) == 1;  // torch 2.11-2.13's allocation retry behind the budget
   o.set_allocation_retry(retry);
   const std::string where = detail::concat("seed ", seed, " (", layers, " layers, ", limit / kMiB, " MiB, peak ",
-                                           static_cast<int>(config.peak), ", gap ", static_cast<int>(config.gap), retry ? ", retry" : "", ")");
+                                           static_cast<int>(config.peak), ", gap ", static_cast<int>(config.gap),
+                                           retry ? ", retry" : "", ")");
   for (int s = 0; s < 8; ++s) run_step(o, m);
   for (const Event& e : events) {
     switch (e.kind) {
