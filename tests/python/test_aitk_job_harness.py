@@ -1,12 +1,12 @@
 """`layerstream bench aitk-job` without running a job (tests/python/test_aitk_jobs.py runs them): what its command
-line refuses, how the user's allocations (--stress-gb) are judged, and which of the log's progress bars AI-Toolkit's
+line refuses, the resident engine's job, how the user's allocations (--stress-gb) are judged, and which of the log's progress bars AI-Toolkit's
 s/it is read from."""
 
 from __future__ import annotations
 
 import pytest
 
-from layerstream.bench.aitk_job import ACTIVE_LINE, JobOptions, RunResult, parse_log
+from layerstream.bench.aitk_job import ACTIVE_LINE, JobOptions, RunResult, job_config, job_env, parse_log
 from layerstream.bench.aitk_job_cli import TABLE_HEADER, parse_args, stress_problems, summary_row
 
 
@@ -21,6 +21,34 @@ def test_stress_sizes_that_are_not_sizes_are_refused_with_what_to_give(value, ca
 def test_stress_sizes_are_taken_as_given():
     assert parse_args(["--aitk-dir", "/nowhere", "--stress-gb", "2,4,8"]).stress_gb == "2,4,8"
     assert parse_args(["--aitk-dir", "/nowhere"]).stress_gb is None
+
+
+@pytest.mark.parametrize("value", ["gpu", "stock,stock", "stock,,layerstream", ""])
+def test_engines_that_are_not_engines_are_refused_with_what_to_give(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--aitk-dir", "/nowhere", "--engines", value])
+    assert exit_info.value.code == 2
+    assert (f"--engines {value!r}: give each of stock, layerstream, resident at most once, comma-separated "
+            "(e.g. resident,stock,layerstream)") in capsys.readouterr().err
+
+
+def test_the_resident_engine_runs_the_job_without_offloading_or_layerstream(tmp_path):
+    assert parse_args(["--aitk-dir", "/nowhere", "--engines", "resident, stock"]).engines == "resident,stock"
+    opts = JobOptions(arch="zimage", transformer_percent=0.5, te_percent=0.25)
+    offloaded = job_config(opts, "job", tmp_path / "m", tmp_path / "d", tmp_path / "t")["config"]["process"][0]
+    resident = job_config(opts, "job", tmp_path / "m", tmp_path / "d", tmp_path / "t",
+                          offload=False)["config"]["process"][0]
+    assert offloaded["model"]["layer_offloading"] is True
+    assert offloaded["model"]["layer_offloading_transformer_percent"] == 0.5
+    assert offloaded["model"]["layer_offloading_text_encoder_percent"] == 0.25
+    assert resident["model"]["layer_offloading"] is False
+    assert "layer_offloading_transformer_percent" not in resident["model"]
+    # Everything else is the same job.
+    for key in set(offloaded) - {"model"}:
+        assert resident[key] == offloaded[key], key
+    for engine, value in (("stock", "0"), ("resident", "0"), ("layerstream", None)):
+        env = job_env(engine, opts, None, tmp_path / "stats.json", None, tmp_path / "hub")
+        assert env.get("LAYERSTREAM") == value, engine
 
 
 def _run(engine: str, ooms: dict | None) -> RunResult:

@@ -151,6 +151,24 @@ def test_quantized_job_layerstream_leaves_what_stock_leaves(workspace, qtype):
     _assert_same_outcome(opts, *_both(workspace, opts, f"zimage-{qtype}"), workspace)
 
 
+def test_the_resident_engine_trains_without_offloading(workspace):
+    """The harness's resident engine (the jobs' compute floor on a GPU): the same job with layer_offloading off,
+    so AI-Toolkit attaches no memory manager and layerstream is not loaded. Up to the first sample inside training
+    it computes what stock computes (the samples before the first step and every loss until then); after that
+    sample AI-Toolkit's own paths differ with and without offloading (seen here: the losses after step 3 differ
+    in their last bits), which the harness prints as a note."""
+    opts = ARCH_OPTIONS["zimage"]
+    stock, _ = _both(workspace, opts, "zimage")
+    resident = run_engine(workspace, opts, "resident", "zimage-resident")
+    assert resident.returncode == 0, resident.log[-6000:]
+    _assert_complete(opts, replace(resident, attaches=[{"module": "-", "seconds": 1.0}]), "job_zimage")
+    assert resident.attaches == [] and stock.attaches, (resident.attaches, stock.attaches)
+    assert not resident.active and stock.active is False
+    before = range(1, opts.sample_every + 1)
+    assert [resident.losses[s] for s in before] == [stock.losses[s] for s in before]
+    assert [resident.samples[f"step0_{i}"] for i in range(2)] == [stock.samples[f"step0_{i}"] for i in range(2)]
+
+
 def test_comparison_fails_when_one_run_differs(workspace):
     """The comparison above can fail: one byte of one saved LoRA's tensors, or one loss, changed is a
     difference."""

@@ -146,13 +146,22 @@ def make_dataset(folder: Path, count: int, resolution: int, seed: int, frames: i
     return folder
 
 
-def job_config(opts: JobOptions, name: str, model_dir: Path, data_dir: Path, training_folder: Path) -> dict:
-    """The job, as config/examples writes one (train_lora_*_24gb.yaml), sized by ``opts``."""
+# The runs a job is compared in: AI-Toolkit's own offloading (stock, LAYERSTREAM=0), layerstream's, and the
+# same job with layer offloading off and no VRAM cap (resident: the model on the GPU, the step's compute floor).
+ENGINES = ("stock", "layerstream", "resident")
+
+
+def job_config(opts: JobOptions, name: str, model_dir: Path, data_dir: Path, training_folder: Path,
+               offload: bool = True) -> dict:
+    """The job, as config/examples writes one (train_lora_*_24gb.yaml), sized by ``opts``; ``offload`` False:
+    ``layer_offloading: false`` (the resident engine)."""
     model = {
         "name_or_path": str(model_dir), "arch": opts.arch, "quantize": opts.quantize != "none",
-        "layer_offloading": True, "layer_offloading_transformer_percent": opts.transformer_percent,
-        "layer_offloading_text_encoder_percent": opts.te_percent,
+        "layer_offloading": offload,
     }
+    if offload:
+        model.update(layer_offloading_transformer_percent=opts.transformer_percent,
+                     layer_offloading_text_encoder_percent=opts.te_percent)
     if opts.quantize != "none":
         model.update(qtype=opts.quantize, quantize_te=False)
     if opts.arch == "wan22_14b":
@@ -233,7 +242,7 @@ def job_env(engine: str, opts: JobOptions, stubs: Path | None, stats_file: Path,
         env["AITK_JOB_STRESS_GB"] = stress_gb
     if model is not None and (model / "flux2_params.json").is_file():  # FLUX.2's sizes (aitk_flux2.py)
         env["AITK_JOB_FLUX2_PARAMS"] = str(model / "flux2_params.json")
-    if engine == "stock":
+    if engine in ("stock", "resident"):
         env["LAYERSTREAM"] = "0"
     else:
         env.pop("LAYERSTREAM", None)
@@ -480,7 +489,13 @@ def run_engine(ws: Workspace, opts: JobOptions, engine: str, run_name: str, cap_
     Nth write of optimizer.pt: aitk_site's AITK_JOB_PAUSE); the result's ``paused`` has the files before.
     ``profile``: profile.txt in the run's folder, Python's profile of its samples and training steps.
     ``stress_gb``: the user's own allocations of these sizes (GiB, comma-separated) between steps, inside steps
-    and inside samples (aitk_site's AITK_JOB_STRESS_GB); the result's ``stress`` counts them."""
+    and inside samples (aitk_site's AITK_JOB_STRESS_GB); the result's ``stress`` counts them.
+    ``engine``: one of ENGINES; ``resident`` runs without ``cap_gb`` (a model that needs offloading under the cap
+    does not fit there without it: the row is the step's compute on this GPU, not a user's card)."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}: one of {', '.join(ENGINES)}")
+    if engine == "resident":
+        cap_gb = None
     checkout, model, data = ws.checkout(), ws.model(opts), ws.dataset(opts)
     training = ws.root / "runs" / run_name
     training.mkdir(parents=True, exist_ok=True)
@@ -491,7 +506,8 @@ def run_engine(ws: Workspace, opts: JobOptions, engine: str, run_name: str, cap_
     configs = []
     for job_name in names:
         configs.append(training / f"{job_name}.yaml")
-        configs[-1].write_text(yaml.safe_dump(job_config(opts, job_name, model, data, training), sort_keys=False))
+        config = job_config(opts, job_name, model, data, training, offload=engine != "resident")
+        configs[-1].write_text(yaml.safe_dump(config, sort_keys=False))
     save_root = training / name
     log_path = training / "run.log"
     stats = training / f"stats-{int(time.time() * 1000)}.json"
