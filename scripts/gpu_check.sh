@@ -30,7 +30,8 @@
 #          layerstream under a 24 GiB cap with that cap as layerstream's VRAM budget
 #   defaults  issue 45: layerstream at default settings (host dtype auto, VRAM budget auto) against the previous
 #          defaults (same, min) and stock on one machine, with the floor breakdown (LAYERSTREAM_DEFAULTS_RUNS:
-#          flux1, flux1det, flux1cap, flux2cap; LAYERSTREAM_DEFAULTS_ROWS: stock, prev, default, autosame, min);
+#          flux1, flux1det, flux1cap, flux2cap; LAYERSTREAM_DEFAULTS_ROWS: stock, prev, default, autosame, min;
+#          LAYERSTREAM_DEFAULTS_STEPS: timed steps per row, 3);
 #          LAYERSTREAM_PREBUILT: a carried wheel instead of a build
 #   lossless  LAYERSTREAM_HOST_DTYPE=lossless: the decoder's bandwidth, FLUX.1 100% streamed and FLUX.2
 #          under a 24 GiB cap, layerstream alone (LAYERSTREAM_LOSSLESS_RUNS picks; about 5 minutes; flux1flow:
