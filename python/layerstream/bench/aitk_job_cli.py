@@ -120,7 +120,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(f"--stress-gb {args.stress_gb!r}: give sizes in GiB above 0, comma-separated (e.g. 2,4,8)")
     engines = [e.strip() for e in args.engines.split(",")]
     unknown = [e for e in engines if e not in aitk_job.ENGINES]
-    if unknown or not engines or len(set(engines)) != len(engines):
+    if unknown or len(set(engines)) != len(engines):
         parser.error(f"--engines {args.engines!r}: give each of {', '.join(aitk_job.ENGINES)} at most once, "
                      f"comma-separated (e.g. resident,stock,layerstream)")
     args.engines = ",".join(engines)
@@ -156,7 +156,7 @@ def ctrl_c_checks(ws: Workspace, opts: JobOptions, engines: list[str], places: l
                   f"{found[-1] if found else '?'}: exit {second.returncode}", flush=True)
             if first.killed or second.returncode != 0 or not found:
                 problems.append(f"{engine} Ctrl-C in a {where}: hung {first.killed}, resumed exit {second.returncode}")
-        if len(lost) == 2 and lost.get("stock") != lost.get("layerstream"):
+        if "stock" in lost and "layerstream" in lost and lost["stock"] != lost["layerstream"]:
             problems.append(f"Ctrl-C in a {where}: files lost {lost}")
     return problems
 
