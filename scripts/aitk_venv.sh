@@ -13,7 +13,8 @@
 # About 3.5 minutes with pip's cache warm, 11 on a busy machine with it cold (2 cores).
 # torch is the CPU build of 2.13.0, the version AI-Toolkit's README installs; torchvision 0.28.0 is its pair.
 # WHEEL: a wheel built for this torch (pip wheel --no-build-isolation --no-deps -w DIR .); without
-# it layerstream is built here with LAYERSTREAM_CUDA=OFF (several minutes on two cores).
+# it layerstream is built here with LAYERSTREAM_CUDA=OFF (several minutes on two cores); `none`: AI-Toolkit's
+# packages only, layerstream installed later (CI makes the environment while its tests run).
 # CHECKOUT_DIR: also a writable copy of AI_DIR there, with `layerstream install CHECKOUT_DIR` run in it.
 # Jobs need tests/aitk_stubs on PYTHONPATH (its README: torchvision's operators, torchaudio).
 set -euo pipefail
@@ -39,7 +40,9 @@ trap 'rm -f "$reqs"' EXIT
       -e 's|^huggingface_hub==.*|huggingface_hub|' \
   | grep -v -E '^(gradio|torchcodec)([=<>!~ ]|$)' | grep -v '^$' > "$reqs"
 "$py" -m pip install -q -r "$reqs"
-if [ -n "$wheel" ]; then
+if [ "$wheel" = none ]; then
+  [ -z "$checkout" ] || { echo "aitk_venv: a CHECKOUT_DIR needs layerstream installed: give a WHEEL" >&2; exit 2; }
+elif [ -n "$wheel" ]; then
   "$py" -m pip install -q --no-deps "$wheel"
 else
   "$py" -m pip install -q scikit-build-core pybind11 cmake ninja

@@ -4,7 +4,7 @@
 # that scripts/test.sh left (scikit-build-core reuses build/<tag>: no second compile), then runs
 # tests/python/test_aitk_jobs.py in it. Run after scripts/test.sh, from the repository root:
 #   AI_TOOLKIT_DIR=/path/to/ai-toolkit scripts/ci_aitk_jobs.sh
-# Prints "N passed, N failed" last. AITK_JOBS_VENV reuses an environment made earlier.
+# Prints "N passed, N failed" last. AITK_JOBS_VENV reuses an environment made earlier (layerstream in it).
 # CI_AITK_JOBS_K: pytest -k expression of the jobs to run; by default Z-Image, Wan 2.2 (the video model) and
 # FLUX.2, stock vs layerstream, and Ctrl-C inside a step and inside a save, each resumed (within CI's time; ""
 # runs every case: Qwen-Image, qfloat8, uint4, two jobs in one process, Ctrl-C between steps too).
@@ -20,17 +20,23 @@ repo="$PWD"
 py="${PYTHON:-$( [ -x .venv/bin/python ] && echo "$repo/.venv/bin/python" || command -v python3 )}"
 venv="${AITK_JOBS_VENV:-}"
 if [ -z "$venv" ]; then
+  # .venv-aitk with AI-Toolkit's packages may be there already (.ci/run makes it while the tests run): this
+  # checkout's layerstream goes into it; otherwise it is made here.
   venv="$PWD/.venv-aitk"
   wheels="$(mktemp -d)"
   "$py" -m pip wheel -q --no-build-isolation --no-deps -w "$wheels" .
-  scripts/aitk_venv.sh "$venv" "$aitk" "$(ls "$wheels"/layerstream-*.whl)"
+  if [ -x "$venv/bin/python" ]; then
+    "$venv/bin/python" -m pip install -q --no-deps --force-reinstall "$(ls "$wheels"/layerstream-*.whl)"
+  else
+    scripts/aitk_venv.sh "$venv" "$aitk" "$(ls "$wheels"/layerstream-*.whl)"
+  fi
   rm -rf "$wheels"
 fi
 echo "ci_aitk_jobs: AI-Toolkit environment ready after $(( $(date +%s) - start )) s"
 select="${CI_AITK_JOBS_K-zimage or wan22_14b or flux2 or ctrl_c or fails or logging or last_line}"
 log="$(mktemp)"
 set +e
-(cd /tmp && AITK_JOBS_VENV="$venv" AI_TOOLKIT_DIR="$aitk" "$py" -m pytest -q -p no:cacheprovider \
+(cd /tmp && AITK_JOBS_VENV="$venv" AI_TOOLKIT_DIR="$aitk" "$py" -m pytest -q --durations=10 -p no:cacheprovider \
   "$repo/tests/python/test_aitk_jobs.py" "$repo/tests/python/test_logging_disable.py" \
   "$repo/tests/python/test_aitk_runpy_settings.py" ${select:+-k "$select"}) \
   2>&1 | tee "$log"

@@ -22,7 +22,7 @@ cmake --build "$BUILD"
 ctest --test-dir "$BUILD" --output-on-failure -j "$(nproc)"
 # From a neutral directory, so that pytest imports the installed package, not the source tree. The
 # environment has optimum-quanto and torchao at AI-Toolkit's pins (requirements-dev.txt).
-(cd /tmp && python -m pytest -q -rs "$OLDPWD/tests/python")
+(cd /tmp && python -m pytest -q -rs --durations=10 "$OLDPWD/tests/python")
 # The quantized tests again on the libraries' current releases, installed into a folder of their own and put
 # in front of the pinned pair (LAYERSTREAM_TEST_CURRENT_QUANT=0 skips this).
 if [[ ${LAYERSTREAM_TEST_CURRENT_QUANT:-1} != 0 ]]; then
