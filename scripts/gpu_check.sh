@@ -45,9 +45,9 @@
 #   pyfiles  the GPU cases (-k cuda) of the test files in LAYERSTREAM_PY_FILES
 #   ab     before/after: two prebuilt wheels (LAYERSTREAM_AB_BEFORE, LAYERSTREAM_AB_AFTER; scripts/build_wheel.sh),
 #          each installed in a folder of its own, the same benchmark runs alternating between them on one machine
-#          (LAYERSTREAM_AB_RUNS: flux1det = FLUX.1 100% streamed with deterministic kernels, losses compared
-#          bitwise; flux1cap, flux2cap = under a 24 GiB cap with VRAM budget auto; stress = `stress`'s auto run;
-#          LAYERSTREAM_AB_ROUNDS rounds)
+#          (LAYERSTREAM_AB_RUNS: flux1det = FLUX.1 100% streamed (budget min) with deterministic kernels, losses
+#          compared bitwise; flux1cap, flux2cap = under a 24 GiB cap with VRAM budget auto; stress = `stress`'s auto
+#          run; LAYERSTREAM_AB_ROUNDS rounds; both sides with the weights stored as they are, host dtype same)
 #   ostris AI-Toolkit's OstrisLinear quantizers on FLUX.2-shaped under a cap, stock vs layerstream, and the
 #          model all-resident where a group asks ("q1,q2@resident,stock,layerstream"; benchmarks/ostris_bench.py;
 #          LAYERSTREAM_OSTRIS_QTYPES, LAYERSTREAM_OSTRIS_CAP_GB, LAYERSTREAM_OSTRIS_DETERMINISTIC)
@@ -725,16 +725,19 @@ if want ab && [[ -n "${AI_TOOLKIT_DIR:-}" ]]; then
   done
   pick_runs ab "$ABRUNS_SET" "flux1det flux1cap flux2cap stress"
   AB=(--warmup 2 --steps 3 --mode layerstream)
+  # The code is compared, not the defaults of each side: the host dtype and (flux1det) the budget are named for
+  # both (host dtype same: the weights as stored, which every side has).
+  ABD="LAYERSTREAM_HOST_DTYPE=same"
   # Each run before, then after, so that a call cut by its limit still has whole pairs.
   for round in $(seq 1 "$ABROUNDS"); do
     for item in ${ABRUNS_SET//,/ }; do
       for side in before after; do
         ABP="PYTHONPATH=/tmp/ab-$side${PYTHONPATH:+:$PYTHONPATH}"; name="ab_${item}_${side}_$round"
         case $item in
-          flux1det) flux "$name" "$ABP" --preset flux1 --deterministic "${AB[@]}" ;;
-          flux1cap) flux "$name" "$ABP" LAYERSTREAM_VRAM_BUDGET=auto --preset flux1 --vram-cap-gb 24 "${AB[@]}" ;;
-          flux2cap) flux "$name" "$ABP" LAYERSTREAM_VRAM_BUDGET=auto --preset flux2 --vram-cap-gb 24 "${AB[@]}" ;;
-          stress) flux "$name" "$ABP" LAYERSTREAM_VRAM_BUDGET=auto --preset flux1 --aitk-flow --vram-cap-gb 24 \
+          flux1det) flux "$name" "$ABP" "$ABD" LAYERSTREAM_VRAM_BUDGET=min --preset flux1 --deterministic "${AB[@]}" ;;
+          flux1cap) flux "$name" "$ABP" "$ABD" LAYERSTREAM_VRAM_BUDGET=auto --preset flux1 --vram-cap-gb 24 "${AB[@]}" ;;
+          flux2cap) flux "$name" "$ABP" "$ABD" LAYERSTREAM_VRAM_BUDGET=auto --preset flux2 --vram-cap-gb 24 "${AB[@]}" ;;
+          stress) flux "$name" "$ABP" "$ABD" LAYERSTREAM_VRAM_BUDGET=auto --preset flux1 --aitk-flow --vram-cap-gb 24 \
                     --warmup 2 --steps 6 --stress-gb 2,4,8 --mode layerstream
                   sed -n '/^--stress-gb/,/^$/p' "$OUT/$name.md" | grep -E '^  ' | sed "s|^  |      $name: |" >>"$OUT/summary.txt" ;;
         esac
