@@ -1,12 +1,15 @@
 """`layerstream bench aitk-job` without running a job (tests/python/test_aitk_jobs.py runs them): what its command
-line refuses, the resident engine's job, how the user's allocations (--stress-gb) are judged, and which of the log's progress bars AI-Toolkit's
-s/it is read from."""
+line refuses, the resident engine's job, how the user's allocations (--stress-gb) are judged, which of the log's progress bars AI-Toolkit's
+s/it is read from, and the step times read from AI-Toolkit's loss_log.db."""
 
 from __future__ import annotations
 
+import sqlite3
+
 import pytest
 
-from layerstream.bench.aitk_job import ACTIVE_LINE, JobOptions, RunResult, job_config, job_env, parse_log
+from layerstream.bench.aitk_job import (ACTIVE_LINE, JobOptions, RunResult, job_config, job_env, parse_log,
+                                        read_step_times)
 from layerstream.bench.aitk_job_cli import TABLE_HEADER, parse_args, stress_problems, summary_row
 
 
@@ -112,3 +115,19 @@ def test_a_runs_row_has_a_cell_under_every_heading_of_the_table():
         "save s": "1.2", "wall s": "85.3", "peak VRAM GiB": "2.00", "peak RSS GiB": "1.00",
         "GB copied per step": "14.9", "compute waited ms per step": "15", "layerstream active": "yes"}
     assert len(cells) == len(headings)
+
+
+def test_step_times_are_the_intervals_between_consecutive_logged_steps(tmp_path):
+    db = tmp_path / "loss_log.db"
+    with sqlite3.connect(db) as con:
+        con.execute("CREATE TABLE steps (step INTEGER PRIMARY KEY, wall_time REAL)")
+        # Steps 1-3 and 5-6 (a resumed job's log has such a hole): the 3 -> 5 span holds two steps, not one.
+        con.executemany("INSERT INTO steps VALUES (?, ?)", [(1, 110.0), (2, 110.5), (3, 111.25), (5, 120.0), (6, 121.0)])
+    run = RunResult(engine="stock", returncode=0, wall_s=0.0, losses={})
+    read_step_times(db, 100.0, run)
+    assert (run.first_step_s, run.last_step_s) == (10.0, 21.0)
+    assert run.step_intervals_s == [0.5, 0.75, 1.0]
+    assert run.median_step_s == 0.75
+    empty = RunResult(engine="stock", returncode=0, wall_s=0.0, losses={})
+    read_step_times(tmp_path / "no.db", 100.0, empty)
+    assert (empty.first_step_s, empty.step_intervals_s, empty.median_step_s) == (None, [], None)

@@ -92,6 +92,8 @@ class RunResult:
     # most steps neither sample nor save; AI-Toolkit's s/it (a moving average of its progress bar) also carries
     # the samples and saves between steps.
     median_step_s: float | None = None
+    # Every such interval, in step order (the JSON keeps them: how the steps vary, not only their median).
+    step_intervals_s: list = field(default_factory=list)
     # MemoryManager.attach's outermost calls (the transformer, each text encoder): module class and wall seconds.
     attaches: list = field(default_factory=list)
     # Wall seconds of each call of the trainer's sample() (the first one before the first step included) and
@@ -402,17 +404,25 @@ def collect(engine: str, save_root: Path, log_path: Path, stats_file: Path, code
         result.sample_s, result.save_s = stats.get("sample", []), stats.get("save", [])
         result.packed_after_sample = stats.get("packed_after_sample", [])
         result.stress = stats.get("stress")
-    db = save_root / "loss_log.db"
-    if db.is_file():
-        with sqlite3.connect(db) as con:
-            steps = con.execute("SELECT step, wall_time FROM steps ORDER BY step").fetchall()
-        if steps:
-            result.first_step_s = float(min(t for _, t in steps)) - start
-            result.last_step_s = float(max(t for _, t in steps)) - start
-            intervals = [t1 - t0 for (s0, t0), (s1, t1) in zip(steps, steps[1:]) if s1 == s0 + 1]
-            if intervals:
-                result.median_step_s = float(statistics.median(intervals))
+    read_step_times(save_root / "loss_log.db", start, result)
     return result
+
+
+def read_step_times(db: Path, start: float, result: RunResult) -> None:
+    """The logged steps' times from AI-Toolkit's loss_log.db (its ``steps`` table: step, wall_time) into
+    ``result``: the first and last step's seconds after ``start``, the intervals between consecutive steps and
+    their median. Nothing where the job logged no step."""
+    if not db.is_file():
+        return
+    with sqlite3.connect(db) as con:
+        steps = con.execute("SELECT step, wall_time FROM steps ORDER BY step").fetchall()
+    if not steps:
+        return
+    result.first_step_s = float(min(t for _, t in steps)) - start
+    result.last_step_s = float(max(t for _, t in steps)) - start
+    result.step_intervals_s = [float(t1 - t0) for (s0, t0), (s1, t1) in zip(steps, steps[1:]) if s1 == s0 + 1]
+    if result.step_intervals_s:
+        result.median_step_s = float(statistics.median(result.step_intervals_s))
 
 
 def differences(a: RunResult, b: RunResult) -> list[str]:
