@@ -4,12 +4,17 @@ s/it is read from, and the step times read from AI-Toolkit's loss_log.db."""
 
 from __future__ import annotations
 
+import json
+import os
 import sqlite3
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from layerstream.bench.aitk_job import (ACTIVE_LINE, JobOptions, RunResult, job_config, job_env, parse_log,
-                                        read_step_times)
+from layerstream.bench.aitk_job import (ACTIVE_LINE, JobOptions, RunResult, allocator_line, job_config, job_env,
+                                        parse_log, read_step_times)
 from layerstream.bench.aitk_job_cli import TABLE_HEADER, parse_args, stress_problems, summary_row
 
 
@@ -131,3 +136,35 @@ def test_step_times_are_the_intervals_between_consecutive_logged_steps(tmp_path)
     empty = RunResult(engine="stock", returncode=0, wall_s=0.0, losses={})
     read_step_times(tmp_path / "no.db", 100.0, empty)
     assert (empty.first_step_s, empty.step_intervals_s, empty.median_step_s) == (None, [], None)
+
+
+# torch's allocator counters faked (this machine may have no GPU): 3 cudaMalloc in the first optimizer step,
+# none in the second, 2 more and a cudaFree and a retry in the third.
+FAKE_ALLOCATOR = """
+import torch
+counters = iter([{"num_device_alloc": 3}, {"num_device_alloc": 3},
+                 {"num_device_alloc": 5, "num_device_free": 1, "num_alloc_retries": 1}])
+torch.cuda.is_available = lambda: True
+torch.cuda.is_initialized = lambda: True
+torch.cuda.memory_stats = lambda: next(counters)
+w = torch.nn.Parameter(torch.zeros(2))
+opt = torch.optim.SGD([w], lr=0.1)
+for _ in range(3):
+    w.sum().backward()
+    opt.step()
+"""
+
+
+def test_the_allocators_counts_are_recorded_per_optimizer_step(tmp_path):
+    import layerstream.bench.aitk_job as aitk_job
+
+    site = Path(aitk_job.__file__).parent / "aitk_site"
+    stats = tmp_path / "stats.json"
+    env = {**os.environ, "PYTHONPATH": str(site), "AITK_JOB_STATS": str(stats)}
+    subprocess.run([sys.executable, "-c", FAKE_ALLOCATOR], env=env, check=True, timeout=300)
+    per_step = json.loads(stats.read_text())["allocator_per_step"]
+    assert per_step == [{"cudaMalloc": 3, "cudaFree": 0, "retries": 0, "out_of_memory": 0},
+                        {"cudaMalloc": 0, "cudaFree": 0, "retries": 0, "out_of_memory": 0},
+                        {"cudaMalloc": 2, "cudaFree": 1, "retries": 1, "out_of_memory": 0}]
+    assert allocator_line(per_step) == ("torch's allocator over 3 optimizer steps: cudaMalloc 3 0 2; cudaFree 0 0 1; "
+                                        "1 allocation retries, 0 out of memory")

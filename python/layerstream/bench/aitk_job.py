@@ -107,6 +107,9 @@ class RunResult:
     # AITK_JOB_STRESS_GB): {"sizes_gb", "made": {place: count}, "out_of_memory": {place: count}} for the places
     # between, inside (a training step) and sample; None without them.
     stress: dict | None = None
+    # On CUDA, per optimizer step: what torch's allocator asked of the driver since the step before
+    # ({"cudaMalloc", "cudaFree", "retries", "out_of_memory"}; aitk_site's allocator_per_step); empty elsewhere.
+    allocator_per_step: list = field(default_factory=list)
     # layerstream's per-step line in the job's log (LAYERSTREAM_LOG_EVERY=1, which the harness sets for its
     # runs): the medians over the logged steps of the bytes copied to the device and of the time compute waited
     # for copies (LAYERSTREAM_TIME_WAITS=1); None for stock.
@@ -404,6 +407,7 @@ def collect(engine: str, save_root: Path, log_path: Path, stats_file: Path, code
         result.sample_s, result.save_s = stats.get("sample", []), stats.get("save", [])
         result.packed_after_sample = stats.get("packed_after_sample", [])
         result.stress = stats.get("stress")
+        result.allocator_per_step = stats.get("allocator_per_step", [])
     read_step_times(save_root / "loss_log.db", start, result)
     return result
 
@@ -423,6 +427,18 @@ def read_step_times(db: Path, start: float, result: RunResult) -> None:
     result.step_intervals_s = [float(t1 - t0) for (s0, t0), (s1, t1) in zip(steps, steps[1:]) if s1 == s0 + 1]
     if result.step_intervals_s:
         result.median_step_s = float(statistics.median(result.step_intervals_s))
+
+
+def allocator_line(per_step: list) -> str:
+    """One line of what torch's allocator asked of the driver in each optimizer step (RunResult's
+    allocator_per_step), for steps whose times differ while they move the same bytes."""
+    def counts(label: str) -> str:
+        return " ".join(str(step.get(label, 0)) for step in per_step)
+
+    retries = sum(step.get("retries", 0) for step in per_step)
+    ooms = sum(step.get("out_of_memory", 0) for step in per_step)
+    return (f"torch's allocator over {len(per_step)} optimizer steps: cudaMalloc {counts('cudaMalloc')}; "
+            f"cudaFree {counts('cudaFree')}; {retries} allocation retries, {ooms} out of memory")
 
 
 def differences(a: RunResult, b: RunResult) -> list[str]:

@@ -12,7 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from . import aitk_job
-from .aitk_job import ACTIVE_LINE, QUANTIZE, JobOptions, RunResult, Workspace, differences, lost_files, run_engine
+from .aitk_job import (ACTIVE_LINE, QUANTIZE, JobOptions, RunResult, Workspace, allocator_line, differences,
+                       lost_files, run_engine)
 from .aitk_models import ARCHES, SIZES
 
 
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"   {engine}: the user's {args.stress_gb} GiB allocations: " + ", ".join(
                     f"{place} {run.stress['made'][place]} made, {run.stress['out_of_memory'][place]} out of memory"
                     for place in run.stress["made"]), flush=True)
+            if run.allocator_per_step:
+                print(f"   {engine}: {allocator_line(run.allocator_per_step)}", flush=True)
             rows.append(summary_row(opts, run))
             if run.second is not None:
                 rows.append(summary_row(opts, run.second).replace(f"| {engine} |", f"| {engine}, 2nd job |"))

@@ -10,7 +10,10 @@ PYTHONPATH; AI-Toolkit's files stay as they are. It does what a job cannot do fr
                              of each call of the trainer's sample() and save() (BaseSDTrainProcess's: the samples
                              and checkpoint saves between steps, and the first sample before the first step),
                              and after each sample how many transformer weights are PackedWeights (lossless host
-                             storage) and how many of those a sample left holding plain values;
+                             storage) and how many of those a sample left holding plain values; on CUDA, after
+                             each optimizer step, what torch's allocator asked of the driver since the one before
+                             (`allocator_per_step`: cudaMalloc and cudaFree calls, allocation retries, out of
+                             memory), for steps that differ in time while moving the same bytes;
   AITK_JOB_PROFILE    a text file written at exit: Python's cProfile of the trainer's first sample() call (before
                              the first step: it carries the warm-up), of its sample() calls after the first and of
                              its training steps (SDTrainer.hook_train_loop) after the second, the functions that
@@ -79,6 +82,9 @@ _ATTACHES: list = []  # {"module": class name, "seconds": wall time} per outermo
 _PHASES: dict = {"sample": [], "save": []}  # wall seconds of each outermost call of the trainer's sample / save
 _PACKED: list = []  # after each sample: [PackedWeights in the transformer, how many of them hold plain values]
 _STRESS: dict = {}  # AITK_JOB_STRESS_GB: the sizes, and per place the allocations made and out of memory
+_ALLOCATOR: list = []  # per optimizer step on CUDA: torch's allocator counters' increase since the step before
+ALLOCATOR_COUNTERS = {"num_device_alloc": "cudaMalloc", "num_device_free": "cudaFree",
+                      "num_alloc_retries": "retries", "num_ooms": "out_of_memory"}
 
 
 def _packed_weights(trainer) -> list | None:
@@ -131,6 +137,33 @@ def _time_phases() -> None:
 
     _after_import("toolkit.memory_management.manager", patch_manager)
     _after_import("jobs.process.BaseSDTrainProcess", patch_trainer)
+    _count_allocator_per_step()
+
+
+def _count_allocator_per_step() -> None:
+    """After each optimizer step on CUDA, the increase of torch's allocator counters (ALLOCATOR_COUNTERS) since
+    the step before (the first: since the process began) into _ALLOCATOR. Hooked in when run.py imports torch's
+    optimizers (torch is not imported here for it)."""
+    last = {name: 0 for name in ALLOCATOR_COUNTERS}
+
+    def after_step(optimizer, args, kwargs):
+        import torch
+
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return
+        now = torch.cuda.memory_stats()
+        _ALLOCATOR.append({label: int(now.get(name, 0)) - last[name] for name, label in ALLOCATOR_COUNTERS.items()})
+        last.update({name: int(now.get(name, 0)) for name in ALLOCATOR_COUNTERS})
+
+    import sys
+
+    def hook(module):
+        module.register_optimizer_step_post_hook(after_step)
+
+    if "torch.optim.optimizer" in sys.modules:  # imported already (AITK_JOB_DETERMINISTIC imports torch)
+        hook(sys.modules["torch.optim.optimizer"])
+    else:
+        _after_import("torch.optim.optimizer", hook)
 
 
 _PROFILES: dict = {}  # "first sample" / "sample" / "training step" -> cProfile.Profile
@@ -189,7 +222,8 @@ def _profile_phases(path: str) -> None:
 
 
 def _write_stats(path: str) -> None:
-    stats = {"attach": _ATTACHES, **_PHASES, "packed_after_sample": _PACKED, "stress": _STRESS or None}
+    stats = {"attach": _ATTACHES, **_PHASES, "packed_after_sample": _PACKED, "stress": _STRESS or None,
+             "allocator_per_step": _ALLOCATOR}
     try:
         import sys
 
