@@ -10,7 +10,8 @@
 # runs every case: Qwen-Image, qfloat8, uint4, two jobs in one process, Ctrl-C between steps too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-aitk="${AI_TOOLKIT_DIR%%:*}"
+aitk="${AI_TOOLKIT_DIR:-}"
+aitk="${aitk%%:*}"
 if [ -z "$aitk" ] || [ ! -f "$aitk/run.py" ]; then
   echo "ci_aitk_jobs: skipped: no AI-Toolkit checkout (set AI_TOOLKIT_DIR; it is ${AI_TOOLKIT_DIR:-unset})" >&2
   exit 0
