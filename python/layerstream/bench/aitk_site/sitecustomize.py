@@ -151,19 +151,12 @@ def _count_allocator_per_step() -> None:
 
         if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
             return
-        now = torch.cuda.memory_stats()
-        _ALLOCATOR.append({label: int(now.get(name, 0)) - last[name] for name, label in ALLOCATOR_COUNTERS.items()})
-        last.update({name: int(now.get(name, 0)) for name in ALLOCATOR_COUNTERS})
+        stats = torch.cuda.memory_stats()
+        now = {name: int(stats.get(name, 0)) for name in ALLOCATOR_COUNTERS}
+        _ALLOCATOR.append({label: now[name] - last[name] for name, label in ALLOCATOR_COUNTERS.items()})
+        last.update(now)
 
-    import sys
-
-    def hook(module):
-        module.register_optimizer_step_post_hook(after_step)
-
-    if "torch.optim.optimizer" in sys.modules:  # imported already (AITK_JOB_DETERMINISTIC imports torch)
-        hook(sys.modules["torch.optim.optimizer"])
-    else:
-        _after_import("torch.optim.optimizer", hook)
+    _after_import("torch.optim.optimizer", lambda module: module.register_optimizer_step_post_hook(after_step))
 
 
 _PROFILES: dict = {}  # "first sample" / "sample" / "training step" -> cProfile.Profile
@@ -237,9 +230,14 @@ def _write_stats(path: str) -> None:
 
 
 def _after_import(fullname: str, patch) -> None:
-    """Runs ``patch(module)`` once the module ``fullname`` has been executed, wherever it is imported from."""
+    """Runs ``patch(module)`` once the module ``fullname`` has been executed, wherever it is imported from (at
+    once where it has been: AITK_JOB_DETERMINISTIC imports torch here)."""
     import importlib.abc
     import sys
+
+    if fullname in sys.modules:
+        patch(sys.modules[fullname])
+        return
 
     class Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
